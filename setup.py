@@ -1,0 +1,68 @@
+"""Builds sgl_ecospec and its extension sgl_ecospec._C from csrc/.
+
+C++ CPU ops are always built. CUDA sources (csrc/*.cu) are added when a CUDA toolkit and a
+CUDA build of torch are both present; SGL_ECOSPEC_CUDA=0 forces a CPU-only build and
+SGL_ECOSPEC_CUDA=1 makes a missing toolkit an error instead of a silent CPU-only build.
+"""
+
+import os
+import platform
+from pathlib import Path
+
+from setuptools import find_packages, setup
+from torch.utils import cpp_extension
+
+ROOT = Path(__file__).parent
+CSRC = ROOT / "csrc"
+
+
+def _want_cuda() -> bool:
+    flag = os.environ.get("SGL_ECOSPEC_CUDA", "auto").lower()
+    if flag not in {"0", "1", "auto"}:
+        raise SystemExit(f"SGL_ECOSPEC_CUDA must be 0, 1 or auto, got {flag!r}")
+    has_sources = any(CSRC.glob("*.cu"))
+    available = has_sources and cpp_extension.CUDA_HOME is not None and _torch_has_cuda()
+    if flag == "1" and not available:
+        raise SystemExit(
+            "SGL_ECOSPEC_CUDA=1 but no CUDA build is possible: need csrc/*.cu, a CUDA toolkit "
+            f"(CUDA_HOME={cpp_extension.CUDA_HOME}) and a CUDA build of torch."
+        )
+    return flag != "0" and available
+
+
+def _torch_has_cuda() -> bool:
+    import torch
+
+    return torch.version.cuda is not None
+
+
+def _extension():
+    cxx_flags = ["-O3", "-std=c++20"]
+    if platform.machine() in {"x86_64", "AMD64"}:
+        cxx_flags.append("-mpopcnt")
+    sources = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cpp"))
+    if _want_cuda():
+        sources += sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cu"))
+        return cpp_extension.CUDAExtension(
+            "sgl_ecospec._C",
+            sources,
+            extra_compile_args={
+                "cxx": cxx_flags + ["-DSGL_ECOSPEC_WITH_CUDA"],
+                "nvcc": ["-O3", "-std=c++20", "-gencode=arch=compute_90,code=sm_90"],
+            },
+        )
+    return cpp_extension.CppExtension("sgl_ecospec._C", sources, extra_compile_args=cxx_flags)
+
+
+setup(
+    name="sgl-ecospec",
+    version="0.1.0",
+    description="Cost-aware speculative decoding (EcoSpec) for MoE models in SGLang",
+    packages=find_packages(include=["sgl_ecospec", "sgl_ecospec.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch", "numpy", "scipy"],
+    extras_require={"plot": ["matplotlib"]},
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    entry_points={"console_scripts": ["sgl-ecospec=sgl_ecospec.cli:main"]},
+)

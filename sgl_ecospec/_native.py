@@ -1,0 +1,56 @@
+"""Access to the compiled extension ``sgl_ecospec._C`` and the choice of implementation.
+
+Every op has a plain PyTorch reference; the extension is a fast path. Importing the package
+never fails because the extension is missing: ``impl="auto"`` falls back to the reference
+with one warning that says how to build it.
+"""
+
+import warnings
+
+import torch
+
+try:
+    from sgl_ecospec import _C  # noqa: F401  (importing registers torch.ops.sgl_ecospec.*)
+
+    NATIVE_ERROR: str | None = None
+except ImportError as exc:
+    NATIVE_ERROR = str(exc)
+
+IMPLS = ("auto", "native", "reference")
+_BUILD_HINT = (
+    "build it with `bash scripts/setup_env.sh` (or `pip install -e . --no-build-isolation` "
+    "in an environment that has torch)"
+)
+_warned = False
+
+
+def has_native() -> bool:
+    """True when the compiled extension ``sgl_ecospec._C`` is importable."""
+    return NATIVE_ERROR is None
+
+
+def use_native(impl: str) -> bool:
+    """Resolves ``impl`` ("auto", "native" or "reference") to whether the extension runs."""
+    global _warned
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "reference":
+        return False
+    if has_native():
+        return True
+    if impl == "native":
+        raise RuntimeError(f"sgl_ecospec._C is not available ({NATIVE_ERROR}); {_BUILD_HINT}")
+    if not _warned:
+        warnings.warn(
+            f"sgl_ecospec._C is not available ({NATIVE_ERROR}); using the PyTorch reference "
+            f"ops, which are much slower: {_BUILD_HINT}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        _warned = True
+    return False
+
+
+def ops():
+    """The registered native ops namespace, ``torch.ops.sgl_ecospec``."""
+    return torch.ops.sgl_ecospec
