@@ -37,7 +37,8 @@ def _torch_has_cuda() -> bool:
 
 
 def _extension():
-    cxx_flags = ["-O3", "-std=c++20"]
+    # ATen's parallel_for only runs in parallel when the caller is compiled with OpenMP.
+    cxx_flags = ["-O3", "-std=c++20", "-fopenmp"]
     if platform.machine() in {"x86_64", "AMD64"}:
         cxx_flags.append("-mpopcnt")
     sources = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cpp"))
@@ -50,8 +51,11 @@ def _extension():
                 "cxx": cxx_flags + ["-DSGL_ECOSPEC_WITH_CUDA"],
                 "nvcc": ["-O3", "-std=c++20", "-gencode=arch=compute_90,code=sm_90"],
             },
+            extra_link_args=["-fopenmp"],
         )
-    return cpp_extension.CppExtension("sgl_ecospec._C", sources, extra_compile_args=cxx_flags)
+    return cpp_extension.CppExtension(
+        "sgl_ecospec._C", sources, extra_compile_args=cxx_flags, extra_link_args=["-fopenmp"]
+    )
 
 
 setup(

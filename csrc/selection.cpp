@@ -141,7 +141,9 @@ at::Tensor select_verify_set_cpu(const at::Tensor& scores, const at::Tensor& par
         const int64_t best = pick(tree, b, selected.data() + b * n, shared.data());
         if (best < 0) continue;
         selected[b * n + best] = 1;
-        add_to_buffer(shared.data(), tree.experts + (b * n + best) * lw, lw);
+        if (tree.policy == Policy::kEcoSpec) {
+          add_to_buffer(shared.data(), tree.experts + (b * n + best) * lw, lw);
+        }
       }
     }
     for (int64_t b = 0; b < batch; ++b) write_row(selected.data() + b * n, n, budget, out_ptr + b * budget);
@@ -157,7 +159,7 @@ at::Tensor select_verify_set_cpu(const at::Tensor& scores, const at::Tensor& par
         const int64_t best = pick(tree, b, selected.data(), buffer);
         if (best < 0) break;
         selected[best] = 1;
-        add_to_buffer(buffer, tree.experts + (b * n + best) * lw, lw);
+        if (tree.policy == Policy::kEcoSpec) add_to_buffer(buffer, tree.experts + (b * n + best) * lw, lw);
       }
       write_row(selected.data(), n, budget, out_ptr + b * budget);
     }

@@ -102,8 +102,4 @@ def bitmap_popcount_reference(bitmaps: torch.Tensor) -> torch.Tensor:
 def bitmap_to_ids(bitmap: torch.Tensor, num_experts: int) -> list[int]:
     """Expert ids set in one layer's bitmap ``[W]`` (int64), ascending; for tests and reports."""
     check_tensor("bitmap", bitmap, ndim=1, dtypes=(torch.int64,))
-    return [
-        e
-        for e in range(num_experts)
-        if (int(bitmap[e // WORD_BITS]) >> (e % WORD_BITS)) & 1
-    ]
+    return [e for e in range(num_experts) if (int(bitmap[e // WORD_BITS]) >> (e % WORD_BITS)) & 1]

@@ -78,25 +78,35 @@ def select_verify_set(
         node's parent selected or the root; rows with fewer reachable nodes than
         ``budget`` end with -1.
     """
-    _check_inputs(scores, parents, node_experts, budget, root_experts, policy, eps,
-                  layer_weights)
+    _check_inputs(scores, parents, node_experts, budget, root_experts, policy, eps, layer_weights)
     if validate:
         _check_values(scores, parents)
     if _native.use_native(impl):
         return _native.ops().select_verify_set(
-            scores.contiguous(), parents.contiguous(), node_experts.contiguous(), budget,
-            None if root_experts is None else root_experts.contiguous(), policy, float(eps),
+            scores.contiguous(),
+            parents.contiguous(),
+            node_experts.contiguous(),
+            budget,
+            None if root_experts is None else root_experts.contiguous(),
+            policy,
+            float(eps),
             bool(share_buffer),
             None if layer_weights is None else layer_weights.contiguous(),
         )
     return select_verify_set_reference(
-        scores, parents, node_experts, budget, root_experts=root_experts, policy=policy,
-        eps=eps, share_buffer=share_buffer, layer_weights=layer_weights,
+        scores,
+        parents,
+        node_experts,
+        budget,
+        root_experts=root_experts,
+        policy=policy,
+        eps=eps,
+        share_buffer=share_buffer,
+        layer_weights=layer_weights,
     )
 
 
-def _check_inputs(scores, parents, node_experts, budget, root_experts, policy, eps,
-                  layer_weights):
+def _check_inputs(scores, parents, node_experts, budget, root_experts, policy, eps, layer_weights):
     check_tensor("scores", scores, ndim=2, dtypes=_SCORE_DTYPES)
     batch, num_nodes = scores.shape
     check_tensor("parents", parents, ndim=2, dtypes=INDEX_DTYPES)
@@ -116,8 +126,13 @@ def _check_inputs(scores, parents, node_experts, budget, root_experts, policy, e
         check_shape("layer_weights", layer_weights, (layers,), "[L]")
         if not bool(torch.isfinite(layer_weights).all()) or bool((layer_weights < 0).any()):
             raise ValueError("layer_weights must be finite and >= 0")
-    check_same_device(scores=scores, parents=parents, node_experts=node_experts,
-                      root_experts=root_experts, layer_weights=layer_weights)
+    check_same_device(
+        scores=scores,
+        parents=parents,
+        node_experts=node_experts,
+        root_experts=root_experts,
+        layer_weights=layer_weights,
+    )
     check_int("budget", budget)
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")

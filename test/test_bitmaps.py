@@ -1,9 +1,8 @@
 import pytest
 import torch
+from _util import IMPLS, requires_native
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from _util import IMPLS, requires_native
 
 from sgl_ecospec import bitmap_popcount, num_words, topk_to_bitmap
 from sgl_ecospec.bitmaps import (
@@ -11,7 +10,6 @@ from sgl_ecospec.bitmaps import (
     bitmap_to_ids,
     topk_to_bitmap_reference,
 )
-
 
 
 @pytest.fixture(params=IMPLS)
