@@ -43,10 +43,13 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, default=Path("results/bench_selector.json"))
     parser.add_argument("--quick", action="store_true", help="fewer repeats (smoke test)")
     args = parser.parse_args(argv)
+    try:
+        batches = [int(b) for b in args.batch.split(",")]
+    except ValueError:
+        parser.error(f"--batch must be comma-separated ints, got {args.batch!r}")
     if not has_native():
         print("error: sgl_ecospec._C is not built; run bash scripts/setup_env.sh", file=sys.stderr)
         return 2
-    batches = [int(b) for b in args.batch.split(",")]
     repeats = (1, 0.0) if args.quick else (5, 1.0)
     rows = []
     print(

@@ -5,13 +5,14 @@ never fails because the extension is missing: ``impl="auto"`` falls back to the 
 with one warning that says how to build it.
 """
 
+import importlib
 import warnings
 
 import torch
 
 try:
-    from sgl_ecospec import _C  # noqa: F401  (importing registers torch.ops.sgl_ecospec.*)
-
+    # Importing the module registers torch.ops.sgl_ecospec.*.
+    importlib.import_module("sgl_ecospec._C")
     NATIVE_ERROR: str | None = None
 except ImportError as exc:
     NATIVE_ERROR = str(exc)

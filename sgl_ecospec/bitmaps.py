@@ -42,17 +42,21 @@ def topk_to_bitmap(
     """
     check_tensor("topk_ids", topk_ids, dtypes=INDEX_DTYPES, min_ndim=2)
     check_int("num_experts", num_experts, minimum=1)
-    if validate and topk_ids.numel():
-        bad = (topk_ids < 0) | (topk_ids >= num_experts)
-        if bool(bad.any()):
-            value = int(topk_ids[bad][0])
-            raise ValueError(
-                f"topk_ids holds expert id {value}, outside [0, {num_experts}): every id must "
-                f"be a valid expert index for num_experts={num_experts}"
-            )
+    if validate:
+        check_expert_ids(topk_ids, num_experts)
     if _native.use_native(impl):
         return _native.ops().topk_to_bitmap(topk_ids.contiguous(), num_experts)
     return topk_to_bitmap_reference(topk_ids, num_experts)
+
+
+def check_expert_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
+    """Raises ValueError unless every id lies in [0, E) (a host sync on GPU)."""
+    bad = (topk_ids < 0) | (topk_ids >= num_experts)
+    if topk_ids.numel() and bool(bad.any()):
+        raise ValueError(
+            f"topk_ids holds expert id {int(topk_ids[bad][0])}, outside [0, {num_experts}): "
+            f"every id must be a valid expert index for num_experts={num_experts}"
+        )
 
 
 def topk_to_bitmap_reference(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:

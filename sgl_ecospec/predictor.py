@@ -21,7 +21,7 @@ import os
 import torch
 
 from sgl_ecospec._checks import INDEX_DTYPES, check_int, check_shape, check_tensor
-from sgl_ecospec.bitmaps import bitmap_popcount, topk_to_bitmap
+from sgl_ecospec.bitmaps import bitmap_popcount, check_expert_ids, topk_to_bitmap
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Knuth's multiplicative constant (2**32 / golden ratio): consecutive token ids land far
@@ -76,20 +76,11 @@ def multi_hot(topk_ids: torch.Tensor, num_experts: int, *, validate: bool = True
     check_tensor("topk_ids", topk_ids, dtypes=INDEX_DTYPES, min_ndim=1)
     check_int("num_experts", num_experts, minimum=1)
     if validate:
-        _check_expert_range(topk_ids, num_experts)
+        check_expert_ids(topk_ids, num_experts)
     out = torch.zeros(
         (*topk_ids.shape[:-1], num_experts), dtype=torch.float32, device=topk_ids.device
     )
     return out.scatter_(-1, topk_ids.long(), 1.0)
-
-
-def _check_expert_range(topk_ids: torch.Tensor, num_experts: int) -> None:
-    bad = (topk_ids < 0) | (topk_ids >= num_experts)
-    if topk_ids.numel() and bool(bad.any()):
-        raise ValueError(
-            f"topk_ids holds expert id {int(topk_ids[bad][0])}, outside [0, {num_experts}): "
-            f"every id must be a valid expert index for num_experts={num_experts}"
-        )
 
 
 class ExpertPredictor(abc.ABC):
@@ -209,7 +200,7 @@ class ExpertPredictor(abc.ABC):
             "[T, L, K]: tokens x MoE layers x experts per token",
         )
         if validate:
-            _check_expert_range(topk_ids, self.num_experts)
+            check_expert_ids(topk_ids, self.num_experts)
 
 
 class OnlineExpertPredictor(ExpertPredictor):
