@@ -17,7 +17,10 @@ requirements_hash=$(sha256sum requirements.txt | cut -d' ' -f1)
 if [ "$(cat .venv/.requirements.sha256 2>/dev/null)" != "$requirements_hash" ]; then
   echo "[setup] installing requirements.txt (first run: about 4 minutes and 11 GB)"
   .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet --progress-bar off -r requirements.txt
+  grep -v -- '# no-deps' requirements.txt >.venv/requirements-deps.txt
+  grep -- '# no-deps' requirements.txt | sed 's/#.*//' >.venv/requirements-nodeps.txt
+  .venv/bin/python -m pip install --quiet --progress-bar off -r .venv/requirements-deps.txt
+  .venv/bin/python -m pip install --quiet --progress-bar off --no-deps -r .venv/requirements-nodeps.txt
   echo "$requirements_hash" >.venv/.requirements.sha256
 fi
 
