@@ -48,7 +48,7 @@ def _extension():
             "sgl_ecospec._C",
             sources,
             extra_compile_args={
-                "cxx": cxx_flags + ["-DSGL_ECOSPEC_WITH_CUDA"],
+                "cxx": cxx_flags,
                 "nvcc": ["-O3", "-std=c++20", "-gencode=arch=compute_90,code=sm_90"],
             },
             extra_link_args=["-fopenmp"],

@@ -6,12 +6,11 @@
 #include <vector>
 
 #include "ecospec_ops.h"
+#include "selection_core.h"
 
 namespace sgl_ecospec {
 
 namespace {
-
-enum class Policy { kConfidence, kEcoSpec };
 
 // Flat views of one batch's inputs. B = requests, N = candidates, LW = L * W words.
 struct Tree {
@@ -24,27 +23,6 @@ struct Tree {
   double eps;
 };
 
-// Predicted experts of `node` missing from `buffer`, summed over layers (weighted in layer
-// order, as the reference's cumsum).
-double missing_experts(const Tree& t, const uint64_t* node, const uint64_t* buffer) {
-  if (t.weights == nullptr) {
-    int64_t count = 0;
-    for (int64_t j = 0; j < t.layers * t.words; ++j) {
-      count += __builtin_popcountll(node[j] & ~buffer[j]);
-    }
-    return static_cast<double>(count);
-  }
-  double total = 0.0;
-  for (int64_t l = 0; l < t.layers; ++l) {
-    int64_t count = 0;
-    for (int64_t w = 0; w < t.words; ++w) {
-      count += __builtin_popcountll(node[l * t.words + w] & ~buffer[l * t.words + w]);
-    }
-    total += t.weights[l] * static_cast<double>(count);
-  }
-  return total;
-}
-
 // Best frontier node of request b (lowest index on ties), or -1 when none is left.
 int64_t pick(const Tree& t, int64_t b, const uint8_t* selected, const uint64_t* buffer) {
   const int64_t n = t.num_nodes;
@@ -54,12 +32,10 @@ int64_t pick(const Tree& t, int64_t b, const uint8_t* selected, const uint64_t* 
   int64_t best = -1;
   double best_priority = 0.0;
   for (int64_t i = 0; i < n; ++i) {
-    if (selected[i] || (parents[i] >= 0 && !selected[parents[i]])) continue;
-    double priority = prob[i];
-    if (t.policy == Policy::kEcoSpec) {
-      priority = priority / (missing_experts(t, t.experts + (b * n + i) * lw, buffer) + t.eps);
-    }
-    if (best < 0 || priority > best_priority) {
+    if (!is_available(selected, parents, i, n)) continue;
+    const double priority = node_priority(t.policy, prob[i], t.experts + (b * n + i) * lw,
+                                          buffer, t.layers, t.words, t.weights, t.eps);
+    if (is_better(priority, i, best_priority, best)) {
       best = i;
       best_priority = priority;
     }

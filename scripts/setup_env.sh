@@ -24,10 +24,12 @@ if [ "$(cat .venv/.requirements.sha256 2>/dev/null)" != "$requirements_hash" ]; 
   echo "$requirements_hash" >.venv/.requirements.sha256
 fi
 
+# nvcc on PATH may be a wrapper outside the toolkit; torch then guesses the wrong CUDA_HOME.
+if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
 build_hash=$(cat setup.py pyproject.toml requirements.txt csrc/* | sha256sum | cut -d' ' -f1)
 if [ "$(cat .venv/.build.sha256 2>/dev/null)" != "$build_hash" ] \
   || ! .venv/bin/python -c 'import torch, sgl_ecospec._C' 2>/dev/null; then
-  echo "[setup] building sgl_ecospec._C (about 1 minute)"
+  echo "[setup] building sgl_ecospec._C (about 2 minutes with CUDA sources)"
   .venv/bin/python -m pip install --quiet --no-build-isolation --no-deps -e .
   echo "$build_hash" >.venv/.build.sha256
 fi

@@ -30,21 +30,35 @@ def has_native() -> bool:
     return NATIVE_ERROR is None
 
 
-def use_native(impl: str) -> bool:
-    """Resolves ``impl`` ("auto", "native" or "reference") to whether the extension runs."""
+def has_native_kernel(op: str, device: torch.device) -> bool:
+    """True when ``torch.ops.sgl_ecospec.<op>`` has a kernel for ``device``'s backend (the
+    CUDA kernels exist only in builds made with a CUDA toolkit)."""
+    if not has_native():
+        return False
+    key = "CUDA" if device.type == "cuda" else "CPU"
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"sgl_ecospec::{op}", key)
+
+
+def use_native(impl: str, op: str, device: torch.device) -> bool:
+    """Resolves ``impl`` ("auto", "native" or "reference") to whether the compiled ``op``
+    runs for tensors on ``device``."""
     global _warned
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "reference":
         return False
-    if has_native():
+    if has_native_kernel(op, device):
         return True
+    reason = (
+        f"sgl_ecospec._C is not available ({NATIVE_ERROR})"
+        if not has_native()
+        else f"sgl_ecospec._C was built without {device.type} kernels"
+    )
     if impl == "native":
-        raise RuntimeError(f"sgl_ecospec._C is not available ({NATIVE_ERROR}); {_BUILD_HINT}")
+        raise RuntimeError(f"{reason}; {_BUILD_HINT}")
     if not _warned:
         warnings.warn(
-            f"sgl_ecospec._C is not available ({NATIVE_ERROR}); using the PyTorch reference "
-            f"ops, which are much slower: {_BUILD_HINT}",
+            f"{reason}; using the PyTorch reference ops, which are much slower: {_BUILD_HINT}",
             RuntimeWarning,
             stacklevel=3,
         )

@@ -44,7 +44,7 @@ def topk_to_bitmap(
     check_int("num_experts", num_experts, minimum=1)
     if validate:
         check_expert_ids(topk_ids, num_experts)
-    if _native.use_native(impl):
+    if _native.use_native(impl, "topk_to_bitmap", topk_ids.device):
         return _native.ops().topk_to_bitmap(topk_ids.contiguous(), num_experts)
     return topk_to_bitmap_reference(topk_ids, num_experts)
 
@@ -85,7 +85,7 @@ def bitmap_popcount(bitmaps: torch.Tensor, *, impl: str = "auto") -> torch.Tenso
         int64, shape ``[...]``: set bits summed over the W words.
     """
     check_tensor("bitmaps", bitmaps, dtypes=(torch.int64,), min_ndim=1)
-    if _native.use_native(impl):
+    if _native.use_native(impl, "bitmap_popcount", bitmaps.device):
         return _native.ops().bitmap_popcount(bitmaps.contiguous())
     return bitmap_popcount_reference(bitmaps)
 

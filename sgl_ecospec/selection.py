@@ -81,7 +81,7 @@ def select_verify_set(
     _check_inputs(scores, parents, node_experts, budget, root_experts, policy, eps, layer_weights)
     if validate:
         _check_values(scores, parents)
-    if _native.use_native(impl):
+    if _native.use_native(impl, "select_verify_set", scores.device):
         return _native.ops().select_verify_set(
             scores.contiguous(),
             parents.contiguous(),

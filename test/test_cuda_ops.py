@@ -1,0 +1,80 @@
+"""The CUDA ops: built wherever a CUDA toolkit is present (CI compiles them), checked
+against the reference wherever a GPU is present (scripts/gpu_check.sh on the device)."""
+
+import os
+import shutil
+
+import pytest
+import torch
+from _util import requires_native
+
+from sgl_ecospec import bitmap_popcount, select_verify_set, topk_to_bitmap
+from sgl_ecospec._native import has_native_kernel
+from sgl_ecospec.bitmaps import bitmap_popcount_reference, topk_to_bitmap_reference
+from sgl_ecospec.selection import select_verify_set_reference
+from sgl_ecospec.synthetic import random_draft_tree
+
+CUDA = torch.device("cuda")
+requires_gpu = pytest.mark.skipif(
+    not (torch.cuda.is_available() and has_native_kernel("select_verify_set", CUDA)),
+    reason="needs a GPU and the CUDA build of sgl_ecospec._C",
+)
+
+
+def _toolkit_present() -> bool:
+    home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
+    return torch.version.cuda is not None and (
+        os.path.exists(os.path.join(home, "bin", "nvcc")) or shutil.which("nvcc") is not None
+    )
+
+
+@requires_native
+@pytest.mark.skipif(not _toolkit_present(), reason="no CUDA toolkit: CPU-only build")
+@pytest.mark.skipif(os.environ.get("SGL_ECOSPEC_CUDA") == "0", reason="CUDA build disabled")
+def test_cuda_kernels_are_compiled_and_registered():
+    for op in ("topk_to_bitmap", "bitmap_popcount", "select_verify_set"):
+        assert has_native_kernel(op, CUDA), f"{op} has no CUDA kernel in this build"
+
+
+@requires_gpu
+@pytest.mark.parametrize("num_experts", [1, 63, 64, 65, 128, 256, 300])
+def test_bitmaps_on_gpu_match_reference(num_experts):
+    gen = torch.Generator().manual_seed(num_experts)
+    ids = torch.randint(0, num_experts, (7, 5, 8), generator=gen)
+    expected = topk_to_bitmap_reference(ids, num_experts)
+    got = topk_to_bitmap(ids.to(CUDA), num_experts, impl="native")
+    assert torch.equal(got.cpu(), expected)
+    assert torch.equal(
+        bitmap_popcount(got, impl="native").cpu(), bitmap_popcount_reference(expected)
+    )
+
+
+@requires_gpu
+@pytest.mark.parametrize("share_buffer", [False, True])
+@pytest.mark.parametrize("policy", ["confidence", "ecospec"])
+@pytest.mark.parametrize(
+    "batch, nodes, layers, experts, budget, tie_levels, weighted",
+    [
+        (1, 64, 94, 128, 16, 0, False),
+        (64, 64, 58, 256, 16, 0, True),
+        (5, 10, 3, 65, 20, 3, False),  # budget larger than the tree, ties
+        (3, 0, 2, 64, 4, 0, False),  # empty tree
+        (4, 33, 2, 100, 8, 2, True),  # all-tied scores, E not a multiple of 64
+    ],
+)
+def test_selection_on_gpu_matches_reference(
+    share_buffer, policy, batch, nodes, layers, experts, budget, tie_levels, weighted
+):
+    tree = random_draft_tree(batch, nodes, layers, experts, 8, seed=nodes, tie_levels=tie_levels)
+    weights = torch.rand(layers) if weighted else None
+    kwargs = dict(
+        root_experts=tree.root_experts,
+        policy=policy,
+        share_buffer=share_buffer,
+        layer_weights=weights,
+    )
+    args = (tree.scores, tree.parents, tree.node_experts, budget)
+    expected = select_verify_set_reference(*args, **kwargs)
+    on_gpu = {k: v.to(CUDA) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    got = select_verify_set(*(a.to(CUDA) for a in args[:3]), budget, impl="native", **on_gpu)
+    assert torch.equal(got.cpu(), expected)
