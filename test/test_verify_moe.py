@@ -85,3 +85,14 @@ def test_triton_kernel_matches_reference_under_interpreter():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["ok", str(len(CASES))]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("case", CASES)
+def test_triton_kernel_on_gpu_matches_reference(case):
+    inputs = [t.cuda() for t in make_inputs(*case)]
+    out, step = verify_moe(*inputs, impl="triton")
+    ref, ref_step = verify_moe_reference(*inputs)
+    tol = 1e-3 if case[5] == "float32" else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    assert torch.equal(step, ref_step)
