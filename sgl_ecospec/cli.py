@@ -3,6 +3,7 @@
 import argparse
 import sys
 
+from sgl_ecospec.bench import cli as bench_cli
 from sgl_ecospec.costmodel import report
 
 
@@ -12,6 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     report.add_parser(commands)
+    bench_cli.add_parser(commands)
     return parser
 
 

@@ -1,0 +1,457 @@
+"""Tests of ``sgl-ecospec bench``: metrics on hand-made steps, the cost pricing, argument
+checks, and the whole command on a fake engine (JSON schema, table, plot, lossless check)."""
+
+import argparse
+import dataclasses
+import json
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sgl_ecospec.bench import cli as bench_cli
+from sgl_ecospec.bench import metrics
+from sgl_ecospec.costmodel import (
+    PerformanceModel,
+    acceptance_factor,
+    analytic_params,
+    expected_unique_experts,
+    get_hardware,
+    get_model,
+    sd_speedup,
+)
+
+QWEN3 = get_model("qwen3-235b-a22b")
+
+
+@dataclasses.dataclass
+class Step:
+    """The engine's StepStats, as the bench reads it."""
+
+    batch_size: int
+    verified_tokens: int
+    accepted: list
+    unique_experts: list
+    recall: float | None = None
+
+
+@pytest.fixture(scope="module")
+def perf():
+    hardware = get_hardware("h200")
+    return PerformanceModel(QWEN3, hardware, analytic_params(QWEN3, hardware).params)
+
+
+# --- metrics ----------------------------------------------------------------------------
+
+
+def test_acceptance_and_expert_statistics():
+    steps = [
+        Step(2, 10, [0, 2], [2, 4], recall=0.5),
+        Step(1, 5, [1], [6, 8], recall=None),
+    ]
+    # (request, step) pairs: accepted 0, 2, 1 -> lengths 1, 3, 2.
+    assert metrics.acceptance_length(steps) == 2.0
+    summary = metrics.summarize(steps)
+    assert summary == {
+        "verify_steps": 2,
+        "request_steps": 3,
+        "tokens": 6,
+        "accept_length": 2.0,
+        "experts_per_layer_step": 5.0,
+        "experts_per_layer_step_p90": pytest.approx(7.4),  # linear between 6 and 8
+        "predictor_recall": 0.5,  # steps without recall are left out
+    }
+    assert metrics.summarize(steps[1:])["predictor_recall"] is None
+
+
+def test_metric_errors():
+    with pytest.raises(ValueError, match="no verify steps"):
+        metrics.summarize([])
+    with pytest.raises(ValueError, match="same number"):
+        metrics.summarize([Step(1, 5, [0], [2, 2]), Step(1, 5, [0], [2])])
+    with pytest.raises(ValueError, match="list no requests"):
+        metrics.acceptance_length([Step(0, 0, [], [2])])
+
+
+def test_uniform_experts_and_equivalent_alpha():
+    steps = [Step(1, 5, [0], [2]), Step(2, 10, [0, 0], [2])]
+    expected = (expected_unique_experts(5, 16, 2) + expected_unique_experts(10, 16, 2)) / 2
+    assert metrics.uniform_experts(steps, 16, 2) == pytest.approx(expected)
+    assert metrics.equivalent_alpha(1.0, 3) == pytest.approx(0.0, abs=1e-12)
+    assert metrics.equivalent_alpha(4.0, 3) == pytest.approx(1.0, abs=1e-12)
+    alpha = metrics.equivalent_alpha(2.5, 3)
+    assert acceptance_factor(alpha, 3) * 4 == pytest.approx(2.5)
+    with pytest.raises(ValueError, match=r"accept_length must be in \[1, num_draft_steps \+ 1"):
+        metrics.equivalent_alpha(4.5, 3)
+
+
+def test_predicted_cost_matches_moesd_speedup_on_identical_steps(perf):
+    # Testbed E=16, K=2; batch 2, budget 4 (5 tokens per request); routing exactly uniform,
+    # so the scaled unions are Qwen3's uniform N(10) and N(2).
+    budget, steps_per_round, batch = 4, 3, 2
+    tokens = batch * (budget + 1)
+    spec = [Step(batch, tokens, [1, 2], [expected_unique_experts(tokens, 16, 2)] * 3)] * 4
+    ar = [Step(batch, batch, [0, 0], [expected_unique_experts(batch, 16, 2)] * 3)] * 9
+    cost = metrics.predicted_cost(
+        spec, ar, perf, num_experts=16, top_k=2, num_draft_steps=steps_per_round
+    )
+    accept_length = 2.5
+    want = sd_speedup(
+        accept_length / (steps_per_round + 1),
+        steps_per_round,
+        perf.ar_time(batch),
+        perf.draft_time(batch),
+        perf.verify_time(batch, budget + 1),
+        perf.reject_time(batch),
+    )
+    assert cost["speedup"] == pytest.approx(want, rel=1e-9)
+    n_sd = expected_unique_experts(tokens, 128, 8)
+    assert cost["experts_per_layer_step"] == pytest.approx(n_sd)
+    assert cost["expert_bytes_per_step"] == pytest.approx(n_sd * 94 * QWEN3.bytes_per_expert)
+    assert cost["verify_ms"] == pytest.approx(1e3 * perf.verify_time(batch, budget + 1))
+    assert cost["ar_ms"] == pytest.approx(1e3 * perf.ar_time(batch))
+    assert cost["draft_ms"] == pytest.approx(3e3 * perf.draft_time(batch))
+    assert acceptance_factor(cost["alpha"], steps_per_round) * 4 == pytest.approx(2.5)
+
+
+def test_fewer_experts_predict_a_faster_verify(perf):
+    ar = [Step(1, 1, [0], [2, 2])] * 4
+    wide = [Step(1, 5, [1], [8, 8])] * 4
+    narrow = [Step(1, 5, [1], [4, 4])] * 4
+    kw = {"num_experts": 16, "top_k": 2, "num_draft_steps": 3}
+    cost_wide = metrics.predicted_cost(wide, ar, perf, **kw)
+    cost_narrow = metrics.predicted_cost(narrow, ar, perf, **kw)
+    assert cost_narrow["verify_ms"] < cost_wide["verify_ms"]
+    assert cost_narrow["speedup"] > cost_wide["speedup"]
+    assert cost_narrow["expert_bytes_per_step"] < cost_wide["expert_bytes_per_step"]
+
+
+def test_first_mismatch():
+    assert metrics.first_mismatch([1, 2, 3], [1, 2, 3]) is None
+    assert metrics.first_mismatch([1, 2, 3], [1, 5, 3]) == 1
+    assert metrics.first_mismatch([1, 2, 3], [1, 2]) == 2
+    assert metrics.first_mismatch([], [4]) == 0
+
+
+# --- arguments --------------------------------------------------------------------------
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(prog="sgl-ecospec")
+    bench_cli.add_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["bench", *argv])
+
+
+def test_defaults_validate():
+    cfg = bench_cli.validate(_parse([]))
+    assert cfg["datasets"] == ["mt-bench"]
+    assert cfg["policies"] == ["confidence", "ecospec"]
+    assert cfg["budgets"] == [4] and cfg["candidates"] == 4 + 2 * 16
+    assert cfg["share_buffer"] is True and cfg["predictor"] == "online"
+    cfg = bench_cli.validate(
+        _parse(["--budgets", "8,1,2", "--dataset", "gsm8k", "--prompts", "a.jsonl"])
+    )
+    assert cfg["budgets"] == [1, 2, 4, 8] and cfg["datasets"] == ["gsm8k", "a.jsonl"]
+    assert bench_cli.validate(_parse(["--no-share-buffer"]))["share_buffer"] is False
+    assert bench_cli.validate(_parse(["--plot", "--budgets", "1,2"]))["budgets"] == [1, 2, 4]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--policy", "confidence,greedy"], r"unknown --policy \['greedy'\]"),
+        (["--policy", "ecospec,ecospec"], "lists a policy twice"),
+        (["--topk", "2", "--steps", "2", "--budget", "6"], r"budget 6 must be in \[1, 5\]"),
+        (["--budget", "2", "--budgets", "1,36"], r"budget 36 must be in \[1, 35\]"),
+        (["--budget", "0"], r"budget 0 must be in \[1, 35\]"),
+        (["--budgets", "1,x"], "--budgets must be comma-separated positive ints"),
+        (["--plot"], "--plot draws experts against budget"),
+        (["--eps", "0"], "--eps must be > 0"),
+        (["--batch-size", "0"], "--batch-size must be >= 1"),
+        (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+        (["--target", "t"], "give both --target and --draft"),
+        (["--small", "--target", "t", "--draft", "d"], "conflicts with --target"),
+        (["--profile", "qwen9"], "unknown model 'qwen9'"),
+        (["--hardware", "a100"], "unknown hardware 'a100'"),
+        (["--dataset", "gsm8k,gsm8k"], "listed twice"),
+    ],
+)
+def test_invalid_arguments(argv, message):
+    with pytest.raises(ValueError, match=message):
+        bench_cli.validate(_parse(argv))
+
+
+def test_argparse_rejects_unknown_predictor(capsys):
+    with pytest.raises(SystemExit):
+        _parse(["--predictor", "learned"])
+    assert "invalid choice: 'learned'" in capsys.readouterr().err
+
+
+def test_missing_testbed_names_the_flags(monkeypatch):
+    monkeypatch.setitem(sys.modules, "sgl_ecospec.testbed", types.ModuleType("empty"))
+    with pytest.raises(ValueError, match="pass --target DIR --draft DIR"):
+        bench_cli.default_models(small=False)
+
+
+# --- the command on a fake engine --------------------------------------------------------
+
+E, K, L = 16, 2, 3
+
+
+@dataclasses.dataclass
+class FakeSpecConfig:
+    topk: int = 4
+    num_steps: int = 3
+    num_draft_tokens: int = 5
+    policy: str = "confidence"
+    eps: float = 0.1
+    share_buffer: bool = True
+
+
+class FakeTokenizer:
+    chat_template = "{{ messages }}"
+
+    def apply_chat_template(self, messages, **kwargs):
+        assert kwargs["add_generation_prompt"] and kwargs["tokenize"]
+        return [1] + [ord(c) % 50 + 3 for c in messages[0]["content"][:12]] + [2]
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+class FakeEngine:
+    """Greedy output derived from the prompt; speculative output equal unless corrupted.
+
+    ecospec reads fewer experts than confidence, more with a larger budget.
+    """
+
+    corrupt = False
+    calls: list = []
+
+    def __init__(self, target_dir, draft_dir, *, device="cpu", dtype=None):
+        self.tokenizer = FakeTokenizer()
+        self.num_layers, self.num_experts, self.top_k = L, E, K
+
+    @staticmethod
+    def _output(prompt, n):
+        return [(sum(prompt) + 7 * i) % 101 for i in range(n)]
+
+    def generate_greedy(self, prompts, max_new_tokens):
+        steps = [
+            Step(len(prompts), len(prompts), [0] * len(prompts), [min(E, K * len(prompts))] * L)
+            for _ in range(max_new_tokens - 1)
+        ]
+        return types.SimpleNamespace(
+            outputs=[self._output(p, max_new_tokens) for p in prompts], steps=steps
+        )
+
+    def generate_speculative(self, prompts, max_new_tokens, spec, predictor=None, progress=None):
+        FakeEngine.calls.append((spec, predictor))
+        budget = spec.num_draft_tokens - 1
+        experts = min(E, K + budget + (2 if spec.policy == "confidence" else 0))
+        steps = [
+            Step(len(prompts), len(prompts) * (budget + 1), [1] * len(prompts), [experts] * L, 0.75)
+            for _ in range(max_new_tokens // 2)
+        ]
+        outputs = [self._output(p, max_new_tokens) for p in prompts]
+        if self.corrupt:
+            outputs[-1][3] += 1
+        return types.SimpleNamespace(outputs=outputs, steps=steps, predictor_recall=0.75)
+
+
+@pytest.fixture
+def fake_engine(monkeypatch):
+    module = types.ModuleType("sgl_ecospec.engine")
+    module.SpecConfig, module.OfflineEngine = FakeSpecConfig, FakeEngine
+    monkeypatch.setitem(sys.modules, "sgl_ecospec.engine", module)
+    monkeypatch.setattr(FakeEngine, "corrupt", False)
+    monkeypatch.setattr(FakeEngine, "calls", [])
+    return FakeEngine
+
+
+HERE = str(Path(__file__).parent)  # any existing directory passes for the fake's checkpoints
+
+
+def _run(argv):
+    args = _parse(["--target", HERE, "--draft", HERE, "--max-new-tokens", "8", *argv])
+    return args.run(args)
+
+
+def test_bench_on_fake_engine_writes_table_json_and_plot(fake_engine, tmp_path, capsys):
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    argv = ["--dataset", "mt-bench,gsm8k", "--num-prompts", "3", "--batch-size", "2"]
+    argv += ["--budgets", "1,2,8", "--json", str(out_json), "--plot", str(out_png)]
+    assert _run(argv) == 0
+
+    table = capsys.readouterr().out
+    assert "accept" in table and "speedup" in table and "gsm8k" in table
+    main_table = next(b for b in table.split("\n\n") if b.startswith("budget policy     accept"))
+    assert len(main_table.splitlines()) == 1 + 8  # header, one row per (budget, policy)
+    assert main_table.splitlines()[-1].startswith("     8 ecospec     2.000")
+
+    report = json.loads(out_json.read_text())
+    assert set(report) >= {"config", "policies", "sweep", "greedy", "profile", "testbed"}
+    assert report["config"]["num_prompts"] == {"mt-bench": 3, "gsm8k": 3}
+    assert report["config"]["budgets"] == [1, 2, 4, 8]
+    assert set(report["policies"]) == {"confidence", "ecospec"}
+    assert len(report["sweep"]) == 4 * 2
+    for name, entry in report["policies"].items():
+        assert entry["budget"] == 4
+        assert isinstance(entry["accept_length"], float) and entry["accept_length"] == 2.0
+        assert isinstance(entry["experts_per_layer_step"], float)
+        assert isinstance(entry["predictor_recall"], float) and entry["lossless"] is True
+        assert set(entry["per_dataset"]) == {"mt-bench", "gsm8k"}
+        assert set(entry["predicted"]) >= {"expert_bytes_per_step", "verify_ms", "speedup"}
+        assert entry["experts_per_layer_step"] == 6 + 2 * (name == "confidence")
+    eco, conf = report["policies"]["ecospec"], report["policies"]["confidence"]
+    assert eco["predicted"]["speedup"] > conf["predicted"]["speedup"]
+    # 2 datasets x 2 batches of (2, 1) prompts, 4 steps each.
+    assert eco["verify_steps"] == 2 * 2 * 4
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # One fresh online predictor per run, shared by that run's batches.
+    calls = fake_engine.calls
+    assert len(calls) == 8 * 4
+    assert {c[0].num_draft_tokens for c in calls} == {2, 3, 5, 9}
+    assert len({id(c[1]) for c in calls}) == 8
+    assert type(calls[0][1]).__name__ == "OnlineExpertPredictor"
+
+
+def test_bench_oracle_predictor_and_jsonl_prompts(fake_engine, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "one"}\n{"prompt": "two"}\n')
+    out_json = tmp_path / "bench.json"
+    argv = ["--prompts", str(prompts), "--num-prompts", "2", "--predictor", "oracle"]
+    assert _run([*argv, "--policy", "ecospec", "--json", str(out_json)]) == 0
+    assert {c[1] for c in fake_engine.calls} == {"oracle"}
+    report = json.loads(out_json.read_text())
+    assert list(report["policies"]) == ["ecospec"]
+    assert report["config"]["datasets"] == [str(prompts)]
+
+
+def test_check_lossless_fails_loudly(fake_engine, tmp_path, capsys):
+    fake_engine.corrupt = True
+    out_json = tmp_path / "bench.json"
+    assert _run(["--num-prompts", "2", "--check-lossless", "--json", str(out_json)]) == 1
+    err = capsys.readouterr().err
+    assert "LOSSLESS CHECK FAILED" in err and "first difference at generated token 3" in err
+    assert not out_json.exists()
+
+    # Without the flag the run completes and reports the mismatch.
+    assert _run(["--num-prompts", "2", "--json", str(out_json)]) == 0
+    assert "warning: not lossless" in capsys.readouterr().err
+    report = json.loads(out_json.read_text())
+    assert report["policies"]["confidence"]["lossless"] is False
+    assert "mt-bench:" in report["policies"]["confidence"]["mismatches"][0]
+
+
+def test_testbed_without_routing_choice_is_rejected(fake_engine, monkeypatch):
+    monkeypatch.setattr(FakeEngine, "__init__", _dense_init)
+    with pytest.raises(ValueError, match="routes every token to all 2 experts"):
+        _run(["--num-prompts", "1"])
+
+
+def _dense_init(self, *args, **kwargs):
+    self.tokenizer = FakeTokenizer()
+    self.num_layers, self.num_experts, self.top_k = 1, 2, 2
+
+
+def test_checkpoints_and_tokenizer_are_checked(fake_engine, monkeypatch, tmp_path):
+    args = _parse(["--target", str(tmp_path / "nope"), "--draft", HERE, "--num-prompts", "1"])
+    with pytest.raises(FileNotFoundError, match="--target .*nope' is not a directory"):
+        args.run(args)
+
+    def no_tokenizer(self, *a, **kw):
+        _dense_init(self)
+        self.tokenizer, self.num_experts = None, 16
+
+    monkeypatch.setattr(FakeEngine, "__init__", no_tokenizer)
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        _run(["--num-prompts", "1"])
+
+
+def test_pricing_uses_the_chosen_profile(fake_engine, tmp_path):
+    results = {}
+    for profile in ("qwen3-235b-a22b", "deepseek-v3"):
+        path = tmp_path / f"{profile}.json"
+        assert _run(["--num-prompts", "1", "--profile", profile, "--json", str(path)]) == 0
+        results[profile] = json.loads(path.read_text())
+    qwen, deepseek = (results[p]["policies"]["ecospec"]["predicted"] for p in results)
+    assert results["deepseek-v3"]["profile"]["num_experts"] == 256
+    assert qwen["experts_per_layer_step"] != deepseek["experts_per_layer_step"]
+    assert np.isfinite([qwen["speedup"], deepseek["speedup"]]).all()
+
+
+# --- end to end on the real engine ---------------------------------------------------------
+
+
+def _byte_tokenizer():
+    """Byte-level tokenizer (259 ids, within the tiny target's vocab of 512) with a chat
+    template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|user|>", "<|assistant|>", "<|end|>"]
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({s: len(vocab) + i for i, s in enumerate(specials)})
+    tok = Tokenizer(models.BPE(vocab, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    template = (
+        "{% for m in messages %}<|user|>{{ m['content'] }}<|end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=template)
+    hf.add_special_tokens({"additional_special_tokens": specials})
+    return hf
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """A tiny random Qwen2-MoE target (with a byte tokenizer) and an EAGLE-3 draft fitted to
+    its greedy continuations of the prompts, as test_engine.py builds them."""
+    # The model helpers live in test_engine.py; they belong in a shared test/_models.py.
+    from test_engine import tiny_target, train_draft
+
+    from sgl_ecospec.datasets import load_prompts, render_chat
+    from sgl_ecospec.engine import OfflineEngine
+
+    root = tmp_path_factory.mktemp("bench_e2e")
+    target = tiny_target()
+    target.save_pretrained(root / "target")
+    _byte_tokenizer().save_pretrained(root / "target")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["Hi!", "2+2?", "Yes."]))
+    engine = OfflineEngine(str(root / "target"), None)
+    ids = [render_chat(engine.tokenizer, p.text) for p in load_prompts(str(prompts))]
+    continuations = engine.generate_greedy(ids, 12).outputs
+    draft = train_draft(target, [p + o for p, o in zip(ids, continuations, strict=True)], 25)
+    draft.save_pretrained(root / "draft")
+    return root
+
+
+def test_bench_end_to_end_on_tiny_models(tiny_models, tmp_path, capsys):
+    root = tiny_models
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    argv = ["--target", str(root / "target"), "--draft", str(root / "draft")]
+    argv += ["--prompts", str(root / "prompts.jsonl"), "--num-prompts", "3"]
+    argv += ["--max-new-tokens", "8", "--batch-size", "2", "--budgets", "1,4"]
+    argv += ["--check-lossless", "--json", str(out_json), "--plot", str(out_png)]
+    args = _parse(argv)
+    assert args.run(args) == 0
+    assert "speedup" in capsys.readouterr().out
+    report = json.loads(out_json.read_text())
+    assert report["testbed"] == {"num_layers": 4, "num_experts": 16, "top_k": 4}
+    assert len(report["sweep"]) == 4 and set(report["policies"]) == {"confidence", "ecospec"}
+    for run in report["sweep"]:
+        assert run["lossless"] is True
+        assert 1.0 <= run["accept_length"] <= 1 + 3
+        tokens = 2 * (run["budget"] + 1)  # a full batch of 2
+        assert 4 <= run["experts_per_layer_step"] <= min(16, tokens * 4)
+        assert 0.0 < run["predictor_recall"] <= 1.0
+        assert run["predicted"]["speedup"] > 0
+    # The draft was fitted to these very continuations: most drafts are accepted.
+    assert report["policies"]["confidence"]["accept_length"] > 2.0
+    assert out_png.read_bytes()[:4] == b"\x89PNG"

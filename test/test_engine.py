@@ -1,0 +1,495 @@
+"""Offline tree speculative decoding: lossless vs greedy, SGLang's tree, routing records.
+
+The target is a tiny random Qwen2-MoE (4 layers, 16 experts, top-4, vocab 512); the draft is
+an EAGLE-3 head trained for a few seconds on the target's own greedy continuations of the
+test prompts, so that drafts are accepted often and every acceptance path is exercised.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+from sgl_ecospec import select_verify_set
+from sgl_ecospec.eagle3 import (
+    Eagle3Config,
+    Eagle3Draft,
+    build_vocab_maps,
+    init_weights,
+    training_pairs,
+)
+from sgl_ecospec.engine import OfflineEngine, OracleExpertPredictor, SpecConfig
+from sgl_ecospec.engine.drafter import Drafter
+from sgl_ecospec.engine.kvcache import BatchKVCache
+from sgl_ecospec.engine.tree import (
+    DraftTree,
+    build_verify_tree,
+    greedy_accept,
+    grow_tree,
+    num_candidates,
+)
+from sgl_ecospec.predictor import OnlineExpertPredictor
+
+VOCAB, HIDDEN, LAYERS, EXPERTS, TOP_K = 512, 64, 4, 16, 4
+AUX = [0, 1, 2]
+MAX_NEW = 24
+
+
+def tiny_target():
+    torch.manual_seed(0)
+    config = Qwen2MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    return Qwen2MoeForCausalLM(config).eval()
+
+
+def make_prompts(count, seed):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 12, (count,), generator=gen).tolist()
+    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+PROMPTS = make_prompts(3, seed=1)
+
+
+def train_draft(target, sequences, steps=80):
+    """Fits a draft to the target on ``sequences`` (teacher forcing plus one unrolled step
+    on its own hidden states, the input the second tree level sees)."""
+    counts = torch.zeros(VOCAB)
+    for seq in sequences:
+        counts += torch.bincount(torch.tensor(seq), minlength=VOCAB)
+    config = Eagle3Config(
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        draft_vocab_size=256,
+        aux_layer_ids=AUX,
+    )
+    draft = init_weights(Eagle3Draft(config), std=0.05)
+    draft.set_vocab_maps(*build_vocab_maps(counts, config.draft_vocab_size))
+    # One right-padded batch: causal attention keeps padding out of the real rows' inputs,
+    # and its labels are ignored.
+    width = max(len(seq) for seq in sequences)
+    ids = torch.tensor([seq + [0] * (width - len(seq)) for seq in sequences])
+    with torch.no_grad():
+        states = target(ids, output_hidden_states=True).hidden_states
+        input_ids, hidden, labels = training_pairs(ids, torch.cat([states[a + 1] for a in AUX], -1))
+        embeds = target.get_input_embeddings()(input_ids)
+    lengths = torch.tensor([len(seq) for seq in sequences])
+    labels = torch.where(
+        torch.arange(width - 2) < lengths[:, None] - 2, draft.to_draft_ids(labels), -100
+    )
+    optimizer = torch.optim.Adam(draft.parameters(), lr=3e-3)
+    for _ in range(steps):
+        logits, own = draft.forward_sequence(embeds, hidden)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        logits, _ = draft.forward_sequence(embeds[:, 1:], own[:, :-1])
+        loss = loss + F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return draft.eval()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine the
+    # spinning threads make these tests several times slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    target = tiny_target()
+    target.save_pretrained(root / "target")
+    engine = OfflineEngine(str(root / "target"), None)
+    prompts = PROMPTS + make_prompts(3, seed=2)
+    greedy = engine.generate_greedy(prompts, MAX_NEW + 8)
+    train_draft(
+        target, [p + o for p, o in zip(prompts, greedy.outputs, strict=True)]
+    ).save_pretrained(root / "draft")
+    return target, OfflineEngine(str(root / "target"), str(root / "draft"))
+
+
+@pytest.fixture(scope="module")
+def greedy(setup):
+    return {n: setup[1].generate_greedy(PROMPTS[:n], MAX_NEW) for n in (1, 3)}
+
+
+# --- the target alone ---------------------------------------------------------------------
+
+
+def test_greedy_equals_transformers_generate(setup, greedy):
+    target, _ = setup
+    prompt = torch.tensor([PROMPTS[0]])
+    expected = target.generate(prompt, max_new_tokens=MAX_NEW, do_sample=False)
+    assert greedy[1].outputs[0] == expected[0, prompt.shape[1] :].tolist()
+
+
+def test_batched_greedy_equals_one_by_one(setup, greedy):
+    _, engine = setup
+    for prompt, output in zip(PROMPTS, greedy[3].outputs, strict=True):
+        assert engine.generate_greedy([prompt], MAX_NEW).outputs == [output]
+
+
+def test_greedy_steps(greedy):
+    steps = greedy[3].steps
+    assert len(steps) == MAX_NEW - 1  # the first token comes from the prefill
+    for step in steps:
+        assert step.batch_size == step.verified_tokens == 3 and step.accepted == [0, 0, 0]
+        assert len(step.unique_experts) == LAYERS and step.recall is None
+        assert all(TOP_K <= n <= min(EXPERTS, 3 * TOP_K) for n in step.unique_experts)
+
+
+def test_routing_and_aux_capture_match_transformers(setup):
+    target, engine = setup
+    ids = torch.tensor([PROMPTS[2]])
+    rows = ids.shape[1]
+    cache = engine.target.new_cache(1)
+    mask = torch.ones(rows, rows, dtype=torch.bool).tril()[None]
+    out = engine.target.forward(ids, torch.arange(rows)[None], cache, mask)
+    with torch.no_grad():
+        ref = target(ids, output_hidden_states=True, output_router_logits=True)
+    torch.testing.assert_close(out.logits, ref.logits)
+    # SGLang's aux ids [a, b, c] are the outputs of layers a, b, c: hidden_states[id + 1].
+    expected_aux = torch.cat([ref.hidden_states[a + 1] for a in AUX], -1)
+    torch.testing.assert_close(out.aux, expected_aux)
+    for layer, logits in enumerate(ref.router_logits):
+        expected = logits.softmax(-1).topk(TOP_K, -1).indices
+        assert torch.equal(out.routing[0, :, layer], expected)
+
+
+# --- speculative decoding is lossless -----------------------------------------------------
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("policy", ["confidence", "ecospec"])
+@pytest.mark.parametrize("predictor", ["online", "oracle"])
+def test_lossless(setup, greedy, batch, policy, predictor):
+    _, engine = setup
+    spec = SpecConfig(topk=4, num_steps=3, num_draft_tokens=5, policy=policy)
+    result = engine.generate_speculative(PROMPTS[:batch], MAX_NEW, spec, predictor)
+    assert result.outputs == greedy[batch].outputs
+    accepted = [a for step in result.steps for a in step.accepted]
+    assert sum(accepted) / len(accepted) > 1.0, "the fitted draft should be accepted"
+    assert max(accepted) == spec.num_steps
+    if predictor == "oracle":
+        assert result.predictor_recall > 0.99
+    else:
+        assert 0.0 < result.predictor_recall < 1.0
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        SpecConfig(topk=2, num_steps=4, num_draft_tokens=6, tree_attention="ancestors"),
+        SpecConfig(topk=1, num_steps=3, num_draft_tokens=4),
+        SpecConfig(topk=3, num_steps=1, num_draft_tokens=3, policy="ecospec"),
+        SpecConfig(topk=4, num_steps=3, num_draft_tokens=8, share_buffer=False, policy="ecospec"),
+    ],
+)
+def test_lossless_other_trees(setup, greedy, spec):
+    _, engine = setup
+    result = engine.generate_speculative(PROMPTS, MAX_NEW, spec, "online")
+    assert result.outputs == greedy[3].outputs
+
+
+def test_max_new_tokens_cut_mid_acceptance_and_counts(setup):
+    _, engine = setup
+    truncated = 0
+    for max_new in (1, 2, 7, 13):
+        expected = engine.generate_greedy(PROMPTS, max_new).outputs
+        result = engine.generate_speculative(PROMPTS, max_new, SpecConfig(), "online")
+        assert result.outputs == expected
+        for request, output in enumerate(result.outputs):
+            steps = [
+                s.accepted[s.request_ids.index(request)]
+                for s in result.steps
+                if request in s.request_ids
+            ]
+            produced = 1 + sum(a + 1 for a in steps)
+            assert len(output) == max_new
+            assert produced >= max_new and (not steps or produced - (steps[-1] + 1) < max_new)
+            truncated += produced > max_new
+    assert truncated, "some request must stop in the middle of an accepted run"
+
+
+def test_eos_stops_both_paths(setup, greedy):
+    _, engine = setup
+    outputs = greedy[3].outputs
+    eos = outputs[1][5]
+    engine.eos_token_ids = {eos}
+    try:
+        expected = engine.generate_greedy(PROMPTS, MAX_NEW).outputs
+        result = engine.generate_speculative(PROMPTS, MAX_NEW, SpecConfig(), "online")
+    finally:
+        engine.eos_token_ids = set()
+    assert result.outputs == expected
+    for full, cut in zip(outputs, expected, strict=True):
+        stop = full.index(eos) + 1 if eos in full else len(full)
+        assert cut == full[:stop]
+
+
+# --- what each step records ---------------------------------------------------------------
+
+
+def test_step_records(setup):
+    _, engine = setup
+    predictor = OnlineExpertPredictor(LAYERS, EXPERTS, TOP_K)
+    seen = []
+    spec = SpecConfig(policy="ecospec")
+    result = engine.generate_speculative(PROMPTS, MAX_NEW, spec, predictor, progress=seen.append)
+    assert seen == result.steps and predictor.observe_calls == len(result.steps)
+    for step in result.steps:
+        assert step.batch_size == len(step.accepted) == len(step.request_ids)
+        assert step.verified_tokens == step.batch_size * spec.num_draft_tokens
+        assert all(0 <= a <= spec.num_steps for a in step.accepted)
+        assert len(step.unique_experts) == LAYERS
+        assert all(TOP_K <= n <= EXPERTS for n in step.unique_experts)
+        assert 0.0 <= step.recall <= 1.0
+    weights = [s.verified_tokens for s in result.steps]
+    overall = sum(s.recall * w for s, w in zip(result.steps, weights, strict=True)) / sum(weights)
+    assert result.predictor_recall == pytest.approx(overall)
+
+
+def test_bad_arguments(setup):
+    _, engine = setup
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        SpecConfig(topk=2, num_steps=2, num_draft_tokens=8)
+    with pytest.raises(ValueError, match="policy"):
+        SpecConfig(policy="fastest")
+    with pytest.raises(ValueError, match="predictor is for"):
+        engine.generate_speculative(PROMPTS, 2, SpecConfig(), OnlineExpertPredictor(2, 16, 4))
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.generate_greedy([[]], 2)
+    assert engine.generate_speculative(PROMPTS, 0, SpecConfig()).outputs == [[], [], []]
+
+
+def test_oracle_refuses_unprimed_rows():
+    oracle = OracleExpertPredictor(2, 8, 2)
+    oracle.prime(torch.tensor([3, 4]), torch.zeros(2, 2, 2, dtype=torch.long))
+    assert oracle.predict_topk(torch.tensor([3, 4])).shape == (2, 2, 2)
+    with pytest.raises(ValueError, match="primed"):
+        oracle.predict_topk(torch.tensor([4, 3]))
+
+
+# --- the tree is SGLang's -----------------------------------------------------------------
+
+
+def random_expand(batch, topk, steps, seed):
+    """Draft stand-in: per step, random descending probabilities and token ids for each
+    beam's children; records the beams it is asked to expand."""
+    gen = torch.Generator().manual_seed(seed)
+    draws = [
+        (
+            torch.rand(batch, topk, topk, generator=gen).sort(-1, descending=True).values,
+            torch.randint(0, 1000, (batch, topk, topk), generator=gen),
+        )
+        for _ in range(steps)
+    ]
+    calls = []
+
+    def expand(step, beam_tokens, parent_beam):
+        calls.append((beam_tokens.clone(), parent_beam.clone()))
+        return draws[step]
+
+    return draws, calls, expand
+
+
+@pytest.mark.parametrize(
+    "batch, topk, steps, num_draft", [(1, 4, 3, 5), (3, 2, 4, 6), (2, 8, 3, 16), (2, 3, 1, 3)]
+)
+def test_tree_equals_sglang_select_top_k_tokens(batch, topk, steps, num_draft):
+    from sglang.srt.speculative.eagle_utils import organize_draft_results
+    from sglang.srt.speculative.spec_utils import select_top_k_tokens
+
+    gen = torch.Generator().manual_seed(batch * 10 + topk)
+    root_p = torch.rand(batch, topk, generator=gen).sort(-1, descending=True).values
+    root_ids = torch.randint(0, 1000, (batch, topk), generator=gen)
+    draws, calls, expand = random_expand(batch, topk, steps, seed=topk)
+    tree = grow_tree(root_p, root_ids, expand, steps)
+
+    lists = ([], [], [])
+    topk_p, topk_index, scores = root_p, root_ids, None
+    hidden = torch.zeros(batch, 1)
+    with torch.compiler.set_stance("force_eager"):
+        for i in range(steps):
+            input_ids, hidden, scores, info = select_top_k_tokens(
+                i, topk_p, topk_index, hidden, scores, topk
+            )
+            for store, item in zip(lists, info, strict=True):
+                store.append(item)
+            if i == steps - 1:
+                break
+            beam_tokens, parent_beam = calls[i]
+            assert torch.equal(input_ids, beam_tokens.flatten())
+            if i > 0:  # which previous beam's draft output each beam reads
+                offsets = torch.arange(batch)[:, None] * topk
+                assert torch.equal(hidden.flatten().long(), (parent_beam + offsets).flatten())
+            # The draft "runs" on the beams: each row's output hidden is its flat row id.
+            topk_p, topk_index = draws[i][0].flatten(0, 1), draws[i][1].flatten(0, 1)
+            hidden = torch.arange(batch * topk).float()[:, None]
+    assert len(calls) == steps - 1
+    assert tree.scores.shape == (batch, num_candidates(topk, steps))
+    assert torch.equal(tree.scores, torch.cat(lists[0], 1).flatten(1))
+    assert torch.equal(tree.tokens, torch.cat(lists[1], 1))
+
+    parent_list, top_index, draft_tokens = organize_draft_results(*lists, num_draft)
+    if steps > 1:
+        # SGLang's candidate x hangs under parent_list[x // topk] (-1 = the root).
+        slots = torch.arange(tree.scores.shape[1]).expand(batch, -1) // topk
+        assert torch.equal(tree.parents, parent_list.gather(1, slots))
+    else:
+        assert (tree.parents == -1).all()
+    node_experts = torch.zeros((*tree.scores.shape, 1, 1), dtype=torch.long)
+    selected = select_verify_set(
+        tree.scores, tree.parents, node_experts, num_draft - 1, policy="confidence"
+    )
+    assert torch.equal(selected, top_index)
+    assert torch.equal(tree.tokens.gather(1, selected), draft_tokens)
+
+
+# --- draft tree attention -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tree_attention", ["sglang", "ancestors"])
+def test_drafter_beams_see_the_rows_their_mode_says(setup, tree_attention):
+    """Every beam's child distribution equals the draft run as a plain sequence over the
+    prefix plus the rows the mode lets it see (its slot's rows, or its ancestors)."""
+    target, engine = setup
+    draft = engine.draft
+    topk, steps = 3, 3
+    prompt = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        states = target(prompt, output_hidden_states=True).hidden_states
+    aux = torch.cat([states[a + 1] for a in AUX], -1)
+    next_tokens = torch.cat([prompt[:, 1:], torch.tensor([[7]])], 1)
+    drafter = Drafter(draft, engine.target.embed, 1, topk, tree_attention)
+    drafter.extend(next_tokens, aux, torch.tensor([prompt.shape[1]]))
+    root_hidden = drafter.root_hidden
+    # Per step: beam tokens [k], input hidden [k, H], output hidden [k, H], parent beams [k]
+    # and child probabilities [k, k].
+    outputs = []
+    original = drafter._expand
+
+    def spy(step, beam_tokens, parent_beam):
+        probs, children = original(step, beam_tokens, parent_beam)
+        hidden = root_hidden.expand(topk, -1) if step == 0 else outputs[-1][2][parent_beam[0]]
+        outputs.append((beam_tokens[0], hidden, drafter._beam_hidden[0], parent_beam[0], probs[0]))
+        return probs, children
+
+    drafter._expand = spy
+    drafter.grow(steps)
+    assert drafter.cache.pending == 0 and int(drafter.cache.lengths[0]) == prompt.shape[1]
+
+    prefix_len = prompt.shape[1]
+    for step, (*_, probs) in enumerate(outputs):
+        for beam in range(topk):
+            # Which beam slot's row the beam sees at each earlier step.
+            slots = [beam] * (step + 1)
+            if tree_attention == "ancestors":
+                for s in range(step, 0, -1):
+                    slots[s - 1] = int(outputs[s][3][slots[s]])
+            with torch.no_grad():
+                past = draft(
+                    engine.target.embed(next_tokens),
+                    aux,
+                    torch.arange(prefix_len)[None],
+                )
+                key, value = past.key, past.value
+                for s, slot in enumerate(slots):
+                    row = draft(
+                        engine.target.embed(outputs[s][0][slot].view(1, 1)),
+                        outputs[s][1][slot].view(1, 1, -1),
+                        torch.tensor([[prefix_len + s]]),
+                        past=(key, value),
+                    )
+                    key = torch.cat([key, row.key], 2)
+                    value = torch.cat([value, row.value], 2)
+            expected = row.logits[0, 0].float().softmax(-1).topk(topk).values
+            torch.testing.assert_close(probs[beam], expected, rtol=1e-5, atol=1e-6)
+
+
+# --- building blocks ----------------------------------------------------------------------
+
+
+def test_verify_tree_and_greedy_accept():
+    # Candidates: 0, 1 under the root; 2 under 0; 3 under 2; 4 under 1.
+    tree = DraftTree(
+        scores=torch.tensor([[0.6, 0.3, 0.5, 0.4, 0.2]]),
+        tokens=torch.tensor([[10, 11, 12, 13, 14]]),
+        parents=torch.tensor([[-1, -1, 0, 2, 1]]),
+    )
+    verify = build_verify_tree(torch.tensor([9]), tree, torch.tensor([[0, 1, 2, 3, -1]]))
+    assert verify.tokens[:, :5].tolist() == [[9, 10, 11, 12, 13]]  # the padding row is arbitrary
+    assert verify.parent.tolist() == [[-1, 0, 0, 1, 3, -1]]
+    assert verify.depth.tolist() == [[0, 1, 1, 2, 3, 0]]
+    assert verify.valid.tolist() == [[True] * 5 + [False]]
+    expected_mask = [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0],
+        [1, 1, 0, 1, 1, 0],
+        [0, 0, 0, 0, 0, 1],
+    ]
+    assert verify.mask.int().tolist() == [expected_mask]
+    # The target agrees with 10 then 12 but wants 77 after 12: accept rows 0, 1, 3.
+    predictions = torch.tensor([[10, 12, 5, 77, 6, 10]])
+    assert greedy_accept(verify, predictions).tolist() == [[0, 1, 3]]
+    # Disagreeing at the root accepts nothing.
+    assert greedy_accept(verify, torch.tensor([[55, 0, 0, 0, 0, 0]])).tolist() == [[0]]
+
+
+def test_kv_cache_commit_and_select():
+    cache = BatchKVCache(2, 3)
+    # Committed: request lengths 2, 4, 1 over width 4 (values = column id + 10 * request).
+    base = torch.arange(4).float() + 10 * torch.arange(3)[:, None]
+    for layer in range(2):
+        cache.update(
+            base[:, None, :, None].expand(3, 2, 4, 5).clone(),
+            base[:, None, :, None].expand(3, 2, 4, 5).clone(),
+            layer,
+        )
+    cache.commit(torch.tensor([[0, 1, -1, -1], [0, 1, 2, 3], [0, -1, -1, -1]]))
+    cache.commit(torch.empty(3, 0, dtype=torch.int64))  # nothing pending: a no-op
+    assert cache.lengths.tolist() == [2, 4, 1]
+    new = 100 + torch.arange(3).float()[None].expand(3, 3) + 10 * torch.arange(3)[:, None]
+    for layer in range(2):
+        cache.update(
+            new[:, None, :, None].expand(3, 2, 3, 5),
+            new[:, None, :, None].expand(3, 2, 3, 5),
+            layer,
+        )
+    assert cache.pending == 3
+    mask = cache.attention_mask(torch.ones(3, 3, 3, dtype=torch.bool))
+    assert mask[:, 0, :4].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    cache.commit(torch.tensor([[0, 2], [1, -1], [-1, -1]]))
+    assert cache.lengths.tolist() == [4, 5, 1] and cache.width == 5
+    keys = cache.keys[1][:, 0, :, 0]
+    assert keys[0, :4].tolist() == [0, 1, 100, 102]
+    assert keys[1, :5].tolist() == [10, 11, 12, 13, 111]
+    assert keys[2, :1].tolist() == [20]
+    cache.select(torch.tensor([2, 0]))
+    assert cache.lengths.tolist() == [1, 4] and cache.width == 4
+    assert cache.values[0][:, 0, :, 0][1].tolist() == [0, 1, 100, 102]
