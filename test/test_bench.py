@@ -387,33 +387,11 @@ def test_pricing_uses_the_chosen_profile(fake_engine, tmp_path):
 # --- end to end on the real engine ---------------------------------------------------------
 
 
-def _byte_tokenizer():
-    """Byte-level tokenizer (259 ids, within the tiny target's vocab of 512) with a chat
-    template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|user|>", "<|assistant|>", "<|end|>"]
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab.update({s: len(vocab) + i for i, s in enumerate(specials)})
-    tok = Tokenizer(models.BPE(vocab, []))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    template = (
-        "{% for m in messages %}<|user|>{{ m['content'] }}<|end|>{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-    )
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=template)
-    hf.add_special_tokens({"additional_special_tokens": specials})
-    return hf
-
-
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     """A tiny random Qwen2-MoE target (with a byte tokenizer) and an EAGLE-3 draft fitted to
     its greedy continuations of the prompts, as test_engine.py builds them."""
-    # The model helpers live in test_engine.py; they belong in a shared test/_models.py.
-    from test_engine import tiny_target, train_draft
+    from _models import byte_tokenizer, tiny_target, train_draft
 
     from sgl_ecospec.datasets import load_prompts, render_chat
     from sgl_ecospec.engine import OfflineEngine
@@ -421,7 +399,7 @@ def tiny_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench_e2e")
     target = tiny_target()
     target.save_pretrained(root / "target")
-    _byte_tokenizer().save_pretrained(root / "target")
+    byte_tokenizer().save_pretrained(root / "target")
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["Hi!", "2+2?", "Yes."]))
     engine = OfflineEngine(str(root / "target"), None)

@@ -7,17 +7,9 @@ test prompts, so that drafts are accepted often and every acceptance path is exe
 
 import pytest
 import torch
-import torch.nn.functional as F
-from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+from _models import AUX, EXPERTS, LAYERS, TOP_K, VOCAB, tiny_target, train_draft
 
 from sgl_ecospec import select_verify_set
-from sgl_ecospec.eagle3 import (
-    Eagle3Config,
-    Eagle3Draft,
-    build_vocab_maps,
-    init_weights,
-    training_pairs,
-)
 from sgl_ecospec.engine import OfflineEngine, OracleExpertPredictor, SpecConfig
 from sgl_ecospec.engine.drafter import Drafter
 from sgl_ecospec.engine.kvcache import BatchKVCache
@@ -30,31 +22,7 @@ from sgl_ecospec.engine.tree import (
 )
 from sgl_ecospec.predictor import OnlineExpertPredictor
 
-VOCAB, HIDDEN, LAYERS, EXPERTS, TOP_K = 512, 64, 4, 16, 4
-AUX = [0, 1, 2]
 MAX_NEW = 24
-
-
-def tiny_target():
-    torch.manual_seed(0)
-    config = Qwen2MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=64,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=EXPERTS,
-        num_experts_per_tok=TOP_K,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    return Qwen2MoeForCausalLM(config).eval()
 
 
 def make_prompts(count, seed):
@@ -64,47 +32,6 @@ def make_prompts(count, seed):
 
 
 PROMPTS = make_prompts(3, seed=1)
-
-
-def train_draft(target, sequences, steps=80):
-    """Fits a draft to the target on ``sequences`` (teacher forcing plus one unrolled step
-    on its own hidden states, the input the second tree level sees)."""
-    counts = torch.zeros(VOCAB)
-    for seq in sequences:
-        counts += torch.bincount(torch.tensor(seq), minlength=VOCAB)
-    config = Eagle3Config(
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        draft_vocab_size=256,
-        aux_layer_ids=AUX,
-    )
-    draft = init_weights(Eagle3Draft(config), std=0.05)
-    draft.set_vocab_maps(*build_vocab_maps(counts, config.draft_vocab_size))
-    # One right-padded batch: causal attention keeps padding out of the real rows' inputs,
-    # and its labels are ignored.
-    width = max(len(seq) for seq in sequences)
-    ids = torch.tensor([seq + [0] * (width - len(seq)) for seq in sequences])
-    with torch.no_grad():
-        states = target(ids, output_hidden_states=True).hidden_states
-        input_ids, hidden, labels = training_pairs(ids, torch.cat([states[a + 1] for a in AUX], -1))
-        embeds = target.get_input_embeddings()(input_ids)
-    lengths = torch.tensor([len(seq) for seq in sequences])
-    labels = torch.where(
-        torch.arange(width - 2) < lengths[:, None] - 2, draft.to_draft_ids(labels), -100
-    )
-    optimizer = torch.optim.Adam(draft.parameters(), lr=3e-3)
-    for _ in range(steps):
-        logits, own = draft.forward_sequence(embeds, hidden)
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-        logits, _ = draft.forward_sequence(embeds[:, 1:], own[:, :-1])
-        loss = loss + F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return draft.eval()
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,0 +1,101 @@
+"""Tiny models shared by the tests: a random Qwen2-MoE target (the testbed's
+architecture), an EAGLE-3 draft fitted to it in seconds, and a byte-level chat tokenizer."""
+
+import torch
+import torch.nn.functional as F
+from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+from sgl_ecospec.eagle3 import (
+    Eagle3Config,
+    Eagle3Draft,
+    build_vocab_maps,
+    init_weights,
+    training_pairs,
+)
+
+VOCAB, HIDDEN, LAYERS, EXPERTS, TOP_K = 512, 64, 4, 16, 4
+AUX = [0, 1, 2]
+
+
+def tiny_target():
+    torch.manual_seed(0)
+    config = Qwen2MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    return Qwen2MoeForCausalLM(config).eval()
+
+
+def train_draft(target, sequences, steps=80):
+    """Fits a draft to the target on ``sequences`` (teacher forcing plus one unrolled step
+    on its own hidden states, the input the second tree level sees)."""
+    counts = torch.zeros(VOCAB)
+    for seq in sequences:
+        counts += torch.bincount(torch.tensor(seq), minlength=VOCAB)
+    config = Eagle3Config(
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        draft_vocab_size=256,
+        aux_layer_ids=AUX,
+    )
+    draft = init_weights(Eagle3Draft(config), std=0.05)
+    draft.set_vocab_maps(*build_vocab_maps(counts, config.draft_vocab_size))
+    # One right-padded batch: causal attention keeps padding out of the real rows' inputs,
+    # and its labels are ignored.
+    width = max(len(seq) for seq in sequences)
+    ids = torch.tensor([seq + [0] * (width - len(seq)) for seq in sequences])
+    with torch.no_grad():
+        states = target(ids, output_hidden_states=True).hidden_states
+        input_ids, hidden, labels = training_pairs(ids, torch.cat([states[a + 1] for a in AUX], -1))
+        embeds = target.get_input_embeddings()(input_ids)
+    lengths = torch.tensor([len(seq) for seq in sequences])
+    labels = torch.where(
+        torch.arange(width - 2) < lengths[:, None] - 2, draft.to_draft_ids(labels), -100
+    )
+    optimizer = torch.optim.Adam(draft.parameters(), lr=3e-3)
+    for _ in range(steps):
+        logits, own = draft.forward_sequence(embeds, hidden)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        logits, _ = draft.forward_sequence(embeds[:, 1:], own[:, :-1])
+        loss = loss + F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return draft.eval()
+
+
+def byte_tokenizer():
+    """Byte-level tokenizer (259 ids, within the tiny target's vocab of 512) with a chat
+    template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|user|>", "<|assistant|>", "<|end|>"]
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({s: len(vocab) + i for i, s in enumerate(specials)})
+    tok = Tokenizer(models.BPE(vocab, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    template = (
+        "{% for m in messages %}<|user|>{{ m['content'] }}<|end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=template)
+    hf.add_special_tokens({"additional_special_tokens": specials})
+    return hf
