@@ -33,4 +33,6 @@ if [ "$(cat .venv/.build.sha256 2>/dev/null)" != "$build_hash" ] \
   .venv/bin/python -m pip install --quiet --no-build-isolation --no-deps -e .
   echo "$build_hash" >.venv/.build.sha256
 fi
+# The CPU development mode of the SGLang server (docs/sglang.md); a no-op on a GPU machine.
+bash scripts/build_cpu_dev.sh
 echo "[setup] .venv ready: $(.venv/bin/python -c 'import torch, sgl_ecospec as s; print("torch", torch.__version__, "| sgl_ecospec._C:", s.has_native())')"

@@ -5,6 +5,7 @@ import sys
 
 from sgl_ecospec.bench import cli as bench_cli
 from sgl_ecospec.costmodel import report
+from sgl_ecospec.testbed import build as testbed_build
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     report.add_parser(commands)
     bench_cli.add_parser(commands)
+    testbed_build.add_parser(commands)
     return parser
 
 

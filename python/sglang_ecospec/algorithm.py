@@ -1,0 +1,280 @@
+"""The ECOSPEC speculative algorithm: EAGLE-3 with EcoSpec's cost-aware verify-set selection.
+
+Registered with ``SpeculativeAlgorithm.register("ECOSPEC", ...)`` by the plugin entry point,
+so ``--speculative-algorithm ECOSPEC`` resolves in the launcher and in every scheduler
+process. :class:`EcoSpecAlgo` answers SGLang's ``is_*()`` / ``supports_*()`` questions as
+EAGLE3 does (``is_eagle3()`` is True: aux hidden-state capture, the draft's vocabulary map,
+the V2 worker path), and :class:`EcoSpecWorker` is SGLang's ``EAGLEWorkerV2`` plus:
+
+- at start: the EcoSpec runtime (settings, online expert predictor, selector, routing
+  capture) sized to the memory pool, and the two hooks (``organize_draft_results``,
+  ``capture_routed_experts_if_allowed``) installed in this process;
+- before each decode step: the batch's bonus tokens copied into the selector (seeds of the
+  expert buffer);
+- after each verify: the verify tokens' captured routing feeds the statistics and the
+  predictor (no host sync; the statistics are read once per ``log_interval`` steps).
+
+What EAGLE3 gets from SGLang code that tests the literal string "EAGLE3" (or "EAGLE"), and
+ECOSPEC therefore does not, is listed in docs/sglang.md.
+"""
+
+import logging
+
+import torch
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+from sglang.srt.speculative.spec_registry import CustomSpecAlgo, get_spec
+
+from sglang_ecospec.settings import EcoSpecSettings, EcoSpecSettingsError
+
+logger = logging.getLogger(__name__)
+
+NAME = "ECOSPEC"
+
+
+class EcoSpecAlgo(CustomSpecAlgo):
+    """ECOSPEC as SGLang's scheduler and model runner see it: an EAGLE-3 algorithm."""
+
+    def is_eagle(self) -> bool:
+        return True
+
+    def is_eagle3(self) -> bool:
+        return True
+
+    def supports_mixed_chunk(self) -> bool:
+        return True
+
+    def supports_grammar_overlap(self) -> bool:
+        return True
+
+    def need_topk(self) -> bool:
+        return True
+
+    def carries_draft_hidden_states(self) -> bool:
+        return True
+
+    def create_future_map(
+        self, device, req_to_token_pool, needs_cpu_seq_lens=True, needs_confidence_relay=False
+    ):
+        from sglang.srt.managers.overlap_utils import FutureMap
+
+        return FutureMap(
+            device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay
+        )
+
+    def build_disagg_draft_input(self, batch, last_tokens_tensor, future_map):
+        from sglang.srt.speculative.eagle_disaggregation import build_eagle_disagg_draft_input
+
+        return build_eagle_disagg_draft_input(batch, last_tokens_tensor, future_map)
+
+    def handle_server_args(self, server_args) -> None:
+        """What SGLang does for the EAGLE family (auto draft parameters, overlap off on the
+        CPU, max running requests, ...)."""
+        from sglang.srt.arg_groups.speculative_hook import _handle_eagle_family
+
+        _handle_eagle_family(server_args)
+
+    def get_platform_worker_cls(self):
+        return None
+
+
+def validate_server_args(server_args) -> None:
+    """Startup check in the launcher: EcoSpec settings and the needed server flags."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    try:
+        settings = EcoSpecSettings.from_env()
+    except EcoSpecSettingsError as exc:
+        raise ValueError(f"--speculative-algorithm {NAME}: {exc}") from None
+    cfg = resolving_view(server_args)
+    if cfg.speculative_draft_model_path is None:
+        raise ValueError(
+            f"--speculative-algorithm {NAME} needs an EAGLE-3 draft: pass "
+            "--speculative-draft-model-path"
+        )
+    if cfg.speculative_eagle_topk is not None and cfg.speculative_eagle_topk <= 1:
+        logger.warning(
+            "%s with --speculative-eagle-topk %s: SGLang's chain fast path skips tree "
+            "selection, so ECOSPEC behaves exactly as EAGLE3; use topk > 1",
+            NAME,
+            cfg.speculative_eagle_topk,
+        )
+    logger.info("%s settings: %s", NAME, settings.to_dict())
+
+
+def register_algorithm() -> None:
+    """Registers ECOSPEC with SGLang (idempotent)."""
+    if get_spec(NAME) is not None:
+        return
+
+    @SpeculativeAlgorithm.register(
+        NAME,
+        supports_overlap=True,
+        validate_server_args=validate_server_args,
+        spec_class=EcoSpecAlgo,
+    )
+    def _worker_factory(server_args):
+        return worker_class()
+
+
+_worker_class = None
+
+
+def worker_class():
+    """:class:`EcoSpecWorker`, built on first use (importing SGLang's worker is heavy)."""
+    global _worker_class
+    if _worker_class is None:
+        _worker_class = _make_worker_class()
+    return _worker_class
+
+
+class EcoSpecRuntime:
+    """Everything ECOSPEC adds to one scheduler process, built once the pool size is known."""
+
+    def __init__(
+        self,
+        settings: EcoSpecSettings,
+        hf_config,
+        *,
+        topk: int,
+        num_draft_tokens: int,
+        max_batch: int,
+        device,
+    ):
+        from sgl_ecospec.predictor import OnlineExpertPredictor
+        from sglang_ecospec import routing, selection
+
+        layer_ids, num_experts, top_k = routing.moe_layout(hf_config)
+        if settings.predictor_file:
+            predictor = OnlineExpertPredictor.load(
+                settings.predictor_file,
+                device=device,
+                num_layers=len(layer_ids),
+                num_experts=num_experts,
+                top_k=top_k,
+            )
+        else:
+            predictor = OnlineExpertPredictor(
+                len(layer_ids),
+                num_experts,
+                top_k,
+                num_buckets=settings.num_buckets,
+                prior_weight=settings.prior_weight,
+                halve_every=settings.halve_every,
+                device=device,
+            )
+        self.settings = settings
+        self.predictor = predictor
+        self.selector = selection.EcoSpecSelector(
+            settings, predictor, topk=topk, max_batch=max_batch, device=device
+        )
+        self.capture = routing.RoutingCapture(
+            layer_ids, top_k, max_batch * num_draft_tokens, device
+        )
+        self.stats = routing.VerifyStats(num_experts, device)
+        self.summaries: list[dict] = []
+        self._warned_overflow = False
+        selection.install_hook()
+        routing.install_hook()
+        selection.activate(self.selector)
+        routing.activate(self.capture)
+        logger.info(
+            "%s active: %d MoE layers x %d experts (top-%d), predictor %s, policy %s, eps %g, "
+            "share_buffer %s, learn %s",
+            NAME,
+            len(layer_ids),
+            num_experts,
+            top_k,
+            settings.predictor,
+            settings.policy,
+            settings.eps,
+            settings.share_buffer,
+            settings.learn,
+        )
+
+    def before_decode(self, spec_info) -> None:
+        """Seeds the selector with the batch's bonus tokens (the draft trees' roots)."""
+        roots = None
+        if spec_info is not None and spec_info.is_draft_input():
+            roots = getattr(spec_info, "bonus_tokens", None)
+        self.selector.set_roots(roots)
+
+    def after_verify(self, verify_input) -> None:
+        """Learns from and measures the routing of the verify pass that just ran."""
+        tokens = getattr(verify_input, "draft_token", None)
+        if tokens is None or tokens.numel() == 0:
+            return
+        count = tokens.numel()
+        if count > self.capture.max_tokens:
+            if not self._warned_overflow:
+                logger.warning(
+                    "%s: %d verify tokens exceed the routing buffer; not learning", NAME, count
+                )
+                self._warned_overflow = True
+            return
+        tokens = tokens.flatten().long()
+        routing_ids = self.capture.verify_routing(count)  # [T, L, K]
+        self.stats.update(tokens, routing_ids, self.predictor)
+        if self.settings.learn:
+            self.predictor.observe(tokens, routing_ids, validate=False)
+        interval = self.settings.log_interval
+        if interval and self.stats.steps >= interval:
+            summary = self.stats.read_and_reset()
+            self.summaries.append(summary)
+            logger.info(
+                "EcoSpec: %d verify steps, unique experts/layer/step %.2f, predictor recall "
+                "%.3f, verify tokens/step %.1f",
+                summary["verify_steps"],
+                summary["unique_experts_per_layer"],
+                summary["predictor_recall"],
+                summary["verify_tokens_per_step"],
+            )
+
+    def close(self) -> None:
+        from sglang_ecospec import routing, selection
+
+        if selection.active() is self.selector:
+            selection.activate(None)
+        if routing.active() is self.capture:
+            routing.activate(None)
+
+
+def _make_worker_class():
+    from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
+
+    class EcoSpecWorker(EAGLEWorkerV2):
+        """SGLang's EAGLE-3 worker with EcoSpec's selection and online predictor."""
+
+        def __init__(self, server_args, gpu_id, nccl_port, target_worker):
+            super().__init__(server_args, gpu_id, nccl_port, target_worker)
+            self.ecospec_settings = EcoSpecSettings.from_env()
+            self.ecospec: EcoSpecRuntime | None = None  # built in alloc_memory_pool
+
+        def alloc_memory_pool(self, *args, **kwargs):
+            super().alloc_memory_pool(*args, **kwargs)
+            pool = kwargs.get("req_to_token_pool") or self.req_to_token_pool
+            if self.ecospec is None and self._draft_worker is not None:
+                self.ecospec = EcoSpecRuntime(
+                    self.ecospec_settings,
+                    self._target_worker.model_runner.model_config.hf_config,
+                    topk=self.topk,
+                    num_draft_tokens=self.speculative_num_draft_tokens,
+                    max_batch=pool.req_to_token.shape[0],
+                    device=torch.device(self.device),
+                )
+
+        def forward_batch_generation(self, batch, *args, **kwargs):
+            if self.ecospec is not None and not (
+                batch.forward_mode.is_extend() or batch.is_extend_in_batch
+            ):
+                self.ecospec.before_decode(batch.spec_info)
+            return super().forward_batch_generation(batch, *args, **kwargs)
+
+        def verify(self, batch, *args, **kwargs):
+            verify_input = batch.spec_info
+            output = super().verify(batch, *args, **kwargs)
+            if self.ecospec is not None:
+                self.ecospec.after_verify(verify_input)
+            return output
+
+    EcoSpecWorker.__qualname__ = "EcoSpecWorker"
+    return EcoSpecWorker

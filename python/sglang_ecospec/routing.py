@@ -1,0 +1,183 @@
+"""Capture of the target's routing during the verify pass, for the online expert predictor.
+
+SGLang calls ``sglang.srt.layers.moe.topk.capture_routed_experts_if_allowed(topk_config,
+layer_id, topk_ids)`` once per MoE layer of every target forward, with the top-k expert ids
+of every token (``[T, K]``). :func:`after_capture` (an AFTER hook on it) copies them into one
+preallocated buffer ``[R, L, K]`` (R rows = the most verify tokens a step can have):
+
+- graph-safe: a static-shape ``copy_`` into a persistent buffer, no host sync, no allocation,
+  so a CUDA graph captured around the target forward replays it;
+- written on every target forward (prefill, verify): after the verify forward of a step, its
+  first ``B * D`` rows hold the verify tokens' routing for every MoE layer, aligned with
+  ``EagleVerifyInput.draft_token``. The worker reads them right after verify, before the next
+  target forward.
+
+Shape legend: T = tokens of a forward, R = buffer rows, L = MoE layers, K = experts per token.
+"""
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CAPTURE_TARGET = "sglang.srt.layers.moe.topk.capture_routed_experts_if_allowed"
+
+
+def moe_layout(hf_config) -> tuple[list[int], int, int]:
+    """(MoE layer ids, routed experts per layer, experts per token) of a target config.
+
+    Knows the Qwen2/Qwen3-MoE fields (``num_experts``, ``mlp_only_layers``,
+    ``decoder_sparse_step``), DeepSeek's (``n_routed_experts``, ``first_k_dense_replace``,
+    ``moe_layer_freq``) and Mixtral's (``num_local_experts``).
+
+    Raises:
+        ValueError: the config describes no MoE model.
+    """
+    config = getattr(hf_config, "text_config", None) or hf_config
+    num_experts = next(
+        (
+            getattr(config, name)
+            for name in ("num_experts", "n_routed_experts", "num_local_experts")
+            if getattr(config, name, None)
+        ),
+        None,
+    )
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if not num_experts or not top_k:
+        raise ValueError(
+            "ECOSPEC needs a Mixture-of-Experts target: the model config has no "
+            "num_experts/n_routed_experts/num_local_experts and num_experts_per_tok"
+        )
+    layers = config.num_hidden_layers
+    dense = set(getattr(config, "mlp_only_layers", None) or [])
+    step = getattr(config, "decoder_sparse_step", None) or 1
+    first_moe = getattr(config, "first_k_dense_replace", None) or 0
+    freq = getattr(config, "moe_layer_freq", None) or 1
+    ids = [
+        i
+        for i in range(layers)
+        if i not in dense and (i + 1) % step == 0 and i >= first_moe and (i - first_moe) % freq == 0
+    ]
+    return ids, int(num_experts), int(top_k)
+
+
+class RoutingCapture:
+    """The verify pass's routing, written by the capture hook.
+
+    Attributes:
+        buffer: int64 ``[R, L, K]``: expert ids of the last target forward's first R tokens.
+        layer_rows: target layer id -> row of ``buffer``'s L axis.
+    """
+
+    def __init__(self, moe_layer_ids: list[int], top_k: int, max_tokens: int, device):
+        self.layer_rows = {layer: row for row, layer in enumerate(moe_layer_ids)}
+        self.top_k = top_k
+        self.buffer = torch.zeros(
+            (max_tokens, len(moe_layer_ids), top_k), dtype=torch.int64, device=device
+        )
+        self.captures = 0  # Python counter: how many layer captures the hook has seen
+
+    @property
+    def max_tokens(self) -> int:
+        return self.buffer.shape[0]
+
+    def capture(self, layer_id: int | None, topk_ids: torch.Tensor) -> None:
+        """Copies ``topk_ids [T, >=K]`` of MoE layer ``layer_id`` into the buffer."""
+        row = self.layer_rows.get(layer_id)
+        if row is None:
+            return
+        rows = min(topk_ids.shape[0], self.max_tokens)
+        # Routes with fused shared-expert columns append them after the routed K.
+        self.buffer[:rows, row].copy_(topk_ids[:rows, : self.top_k])
+        self.captures += 1
+
+    def verify_routing(self, num_tokens: int) -> torch.Tensor:
+        """``[num_tokens, L, K]`` view of the last forward's first tokens (no copy)."""
+        if num_tokens > self.max_tokens:
+            raise ValueError(
+                f"{num_tokens} verify tokens exceed the routing buffer ({self.max_tokens} rows)"
+            )
+        return self.buffer[:num_tokens]
+
+
+_active: RoutingCapture | None = None
+
+
+def activate(capture: RoutingCapture | None) -> None:
+    """Makes ``capture`` the one the hook writes to in this process (None: stop)."""
+    global _active
+    _active = capture
+
+
+def active() -> RoutingCapture | None:
+    return _active
+
+
+def after_capture(result, topk_config, layer_id, topk_ids, *args, **kwargs):
+    """AFTER hook on ``capture_routed_experts_if_allowed``: feeds the active capture.
+
+    Honors the per-config opt-out SGLang sets for draft models' MoE layers.
+    """
+    capture = _active
+    if capture is not None and getattr(topk_config, "allow_routed_experts_capture", True):
+        capture.capture(layer_id, topk_ids)
+    return result
+
+
+_installed = False
+
+
+def install_hook() -> None:
+    """Registers and applies the capture hook (idempotent)."""
+    global _installed
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if not _installed:
+        HookRegistry.register(CAPTURE_TARGET, after_capture, HookType.AFTER)
+        HookRegistry.apply_hooks()
+        _installed = True
+
+
+class VerifyStats:
+    """Device-side running sums over verify steps, read (one host sync) once per interval.
+
+    Per verify step: the unique experts each MoE layer loaded (the union over the step's
+    verify tokens, batch-wide), averaged over layers; and the predictor's top-K recall on the
+    step's tokens, measured before it learns from them.
+    """
+
+    def __init__(self, num_experts: int, device):
+        self.num_experts = num_experts
+        self.unique_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.recall_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.tokens_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.steps = 0  # Python int: no sync to decide when to log
+
+    def update(self, tokens: torch.Tensor, routing: torch.Tensor, predictor) -> None:
+        """``tokens [T]`` verified this step, ``routing [T, L, K]`` their experts."""
+        from sgl_ecospec.predictor import multi_hot
+
+        num_tokens, layers, top_k = routing.shape
+        union = torch.zeros((layers, self.num_experts), device=routing.device)  # [L, E]
+        union.scatter_(1, routing.transpose(0, 1).reshape(layers, -1), 1.0)
+        self.unique_sum += union.sum() / layers
+        predicted = predictor.predict_topk(tokens)  # [T, L, K]
+        truth = multi_hot(routing, self.num_experts, validate=False)  # [T, L, E]
+        self.recall_sum += truth.gather(-1, predicted).sum() / (num_tokens * layers * top_k)
+        self.tokens_sum += num_tokens
+        self.steps += 1
+
+    def read_and_reset(self) -> dict:
+        """Means since the last read (one host sync), then zeroes the sums."""
+        steps = max(self.steps, 1)
+        summary = {
+            "verify_steps": self.steps,
+            "unique_experts_per_layer": float(self.unique_sum) / steps,
+            "predictor_recall": float(self.recall_sum) / steps,
+            "verify_tokens_per_step": float(self.tokens_sum) / steps,
+        }
+        for total in (self.unique_sum, self.recall_sum, self.tokens_sum):
+            total.zero_()
+        self.steps = 0
+        return summary

@@ -1,0 +1,185 @@
+"""ECOSPEC's verify-set selection, in place of SGLang's ``organize_draft_results``.
+
+EAGLE's draft step (``EagleDraftWorker.draft_forward``) grows a tree of candidates and then
+calls ``eagle_utils.organize_draft_results(score_list, token_list, parents_list, ndt)``,
+which keeps the ``ndt - 1`` candidates of highest cumulative probability. With ECOSPEC active
+in the process, :func:`organize_hook` (an AROUND hook) hands the same inputs to the active
+:class:`EcoSpecSelector`, which picks by P / (DeltaCost + eps) with the core's
+``sgl_ecospec.select_verify_set`` (CUDA op on GPU, C++ op on CPU) and returns exactly what
+SGLang expects. Without an active selector (EAGLE, EAGLE3, ...) the hook calls the original.
+
+SGLang's tree, per request (``select_top_k_tokens``): step 0 proposes K candidates (children
+of the root), each later step K*K (K children for each of the K candidates the previous step
+expanded); ``scores`` are cumulative path probabilities. Flattened: N = K + (S-1) K^2
+candidates, and ``parent_list = cat(parents_list[:-1])`` (``[B, 1 + (S-1) K]``: -1 for the
+root, then the candidates each step expanded) gives candidate c's parent as
+``parent_list[c // K]``.
+
+Returned, as ``organize_draft_results``: ``parent_list`` unchanged, ``top_scores_index``
+``[B, ndt-1]`` ascending and ancestor-closed (every chosen node's parent is chosen or the
+root), ``draft_tokens`` ``[B, ndt-1]`` the chosen candidates' tokens.
+
+Graph safety: static shapes, no host sync (``validate=False``), persistent state (the
+predictor's tables, the root-token buffers) updated in place; the only allocations are the
+op outputs, as in SGLang's own function.
+
+Shape legend: B = requests, N = candidates per request, K = draft top-k, S = draft steps,
+L = MoE layers, W = int64 words per layer bitmap, D = num draft tokens (ndt).
+"""
+
+import logging
+
+import torch
+
+from sgl_ecospec import select_verify_set
+from sgl_ecospec.predictor import ExpertPredictor
+from sglang_ecospec.settings import EcoSpecSettings
+
+logger = logging.getLogger(__name__)
+
+ORGANIZE_TARGET = "sglang.srt.speculative.eagle_utils.organize_draft_results"
+
+
+def candidate_parents(parent_list: torch.Tensor, num_candidates: int, topk: int) -> torch.Tensor:
+    """Parent candidate of every candidate (-1 = the root).
+
+    Args:
+        parent_list: int, ``[B, 1 + (S-1) K]`` (``[B, 0]`` for one draft step).
+        num_candidates: N.
+        topk: K.
+
+    Returns:
+        int64 ``[B, N]``.
+    """
+    batch = parent_list.shape[0]
+    if parent_list.shape[1] == 0:
+        return torch.full((batch, num_candidates), -1, dtype=torch.int64, device=parent_list.device)
+    slots = torch.arange(num_candidates, device=parent_list.device) // topk  # [N]
+    return parent_list[:, slots].long()
+
+
+class EcoSpecSelector:
+    """Cost-aware verify-set selection with persistent, graph-safe state.
+
+    Args:
+        settings: the validated EcoSpec settings (policy, eps, share_buffer).
+        predictor: expert predictor (``predict_bitmaps`` over token ids).
+        topk: K (``--speculative-eagle-topk``).
+        max_batch: most requests of one decode batch (sizes the root buffers).
+        device: where the buffers live.
+    """
+
+    def __init__(
+        self,
+        settings: EcoSpecSettings,
+        predictor: ExpertPredictor,
+        *,
+        topk: int,
+        max_batch: int,
+        device,
+    ):
+        self.settings = settings
+        self.predictor = predictor
+        self.topk = topk
+        # Each request's root (bonus) token, copied in before the draft step; padded rows of
+        # a graph replay are marked invalid so they neither seed nor take experts.
+        self.root_tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)  # [Bmax]
+        self.root_valid = torch.zeros(max_batch, dtype=torch.bool, device=device)  # [Bmax]
+        self.calls = 0
+
+    @property
+    def max_batch(self) -> int:
+        return self.root_tokens.shape[0]
+
+    def set_roots(self, bonus_tokens: torch.Tensor | None) -> None:
+        """Records the batch's bonus tokens ``[B]`` (None: unknown, seed nothing)."""
+        if bonus_tokens is None or bonus_tokens.dim() != 1:
+            self.root_valid.zero_()
+            return
+        count = min(bonus_tokens.shape[0], self.max_batch)
+        self.root_tokens[:count].copy_(bonus_tokens[:count])
+        self.root_valid[:count] = True
+        self.root_valid[count:] = False
+
+    def organize(
+        self,
+        score_list: list[torch.Tensor],
+        token_list: list[torch.Tensor],
+        parents_list: list[torch.Tensor],
+        num_draft_token: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``organize_draft_results`` with EcoSpec's selection (same arguments, same results)."""
+        scores = torch.cat(score_list, dim=1).flatten(1)  # [B, N]
+        tokens = torch.cat(token_list, dim=1)  # [B, N]
+        batch, num_candidates = scores.shape
+        if len(parents_list) > 1:
+            parent_list = torch.cat(parents_list[:-1], dim=1)  # [B, 1 + (S-1) K]
+        else:
+            parent_list = torch.empty(batch, 0, dtype=torch.long, device=scores.device)
+        budget = num_draft_token - 1
+        if budget > num_candidates:
+            raise ValueError(
+                f"speculative_num_draft_tokens - 1 = {budget} exceeds the {num_candidates} "
+                "draft candidates"
+            )
+        parents = candidate_parents(parent_list, num_candidates, self.topk)  # [B, N]
+        if batch <= self.max_batch:
+            roots, valid = self.root_tokens[:batch], self.root_valid[:batch]
+        else:  # an eager batch past the captured maximum: no seeds
+            roots = torch.zeros(batch, dtype=torch.int64, device=scores.device)
+            valid = torch.zeros(batch, dtype=torch.bool, device=scores.device)
+        experts = self.predictor.predict_bitmaps(tokens.flatten().long())  # [B*N, L, W]
+        experts = experts.view(batch, num_candidates, *experts.shape[1:])  # [B, N, L, W]
+        root_experts = self.predictor.predict_bitmaps(roots)  # [B, L, W]
+        keep = valid.long()
+        experts = experts * keep[:, None, None, None]
+        root_experts = root_experts * keep[:, None, None]
+        index = select_verify_set(
+            scores.float(),
+            parents,
+            experts,
+            budget,
+            root_experts=root_experts,
+            policy=self.settings.policy,
+            eps=self.settings.eps,
+            share_buffer=self.settings.share_buffer,
+            validate=False,
+        )  # [B, D-1] ascending; complete, every candidate is reachable
+        draft_tokens = torch.gather(tokens, 1, index)  # [B, D-1]
+        self.calls += 1
+        return parent_list, index, draft_tokens
+
+
+_active: EcoSpecSelector | None = None
+
+
+def activate(selector: EcoSpecSelector | None) -> None:
+    """Makes ``selector`` the one the hook uses in this process (None: SGLang's own)."""
+    global _active
+    _active = selector
+
+
+def active() -> EcoSpecSelector | None:
+    return _active
+
+
+def organize_hook(original, score_list, token_list, parents_list, num_draft_token):
+    """AROUND hook on ``organize_draft_results``: ECOSPEC's selection when active."""
+    selector = _active
+    if selector is None:
+        return original(score_list, token_list, parents_list, num_draft_token)
+    return selector.organize(score_list, token_list, parents_list, num_draft_token)
+
+
+_installed = False
+
+
+def install_hook() -> None:
+    """Registers and applies the selection hook (idempotent)."""
+    global _installed
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if not _installed:
+        HookRegistry.register(ORGANIZE_TARGET, organize_hook, HookType.AROUND)
+        HookRegistry.apply_hooks()
+        _installed = True

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# CPU development mode: runs the real SGLang server on a machine without a GPU.
+#
+#   bash scripts/launch_cpu.sh --model-path M [SGLang server args...]
+#
+# Sets up what sglang 0.5.23's CUDA wheels need to serve on the CPU (docs/sglang.md, "CPU
+# development mode"), then execs `python -m sglang.launch_server --device cpu ARGS...` from
+# the project's .venv (override with ECOSPEC_CPU_VENV):
+#   - SGLANG_USE_CPU_ENGINE=1: SGLang's own CPU switch;
+#   - LD_LIBRARY_PATH gets the stub libcuda.so.1 (built here by scripts/build_cpu_dev.sh
+#     when missing) so `import sgl_kernel` works;
+#   - TRITON_INTERPRET=1: Triton kernels (the triton attention backend) run on the CPU;
+#   - the sglang_ecospec plugin (an installed entry point) registers the missing sgl_kernel
+#     CPU ops and the tree-mask fix in every server process, only because the device is the
+#     CPU and no GPU is present.
+# Speculative decoding on the CPU needs `--attention-backend triton`; pass small
+# --max-total-tokens and --mem-fraction-static values (the CPU "memory pool" is host RAM).
+# Threads: ECOSPEC_CPU_THREADS (default 1) OpenMP threads per server process.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+venv=${ECOSPEC_CPU_VENV:-$root/.venv}
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  echo "[launch_cpu] error: this machine has an NVIDIA GPU; the CPU development mode is for" \
+    "machines without one. Run: python -m sglang.launch_server ARGS..." >&2
+  exit 2
+fi
+[ -x "$venv/bin/python" ] || {
+  echo "[launch_cpu] error: no Python environment at $venv (run bash scripts/setup_env.sh)" >&2
+  exit 1
+}
+stub_dir=$venv/lib/sgl_ecospec_stub
+[ -f "$stub_dir/libcuda.so.1" ] || bash "$root/scripts/build_cpu_dev.sh" "$venv" >&2
+
+export SGLANG_USE_CPU_ENGINE=1
+export TRITON_INTERPRET=1
+export LD_LIBRARY_PATH=$stub_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+threads=${ECOSPEC_CPU_THREADS:-1}
+export OMP_NUM_THREADS=$threads
+# SGLang binds each CPU rank's OpenMP threads to these cores (default: a whole NUMA node).
+export SGLANG_CPU_OMP_THREADS_BIND=${SGLANG_CPU_OMP_THREADS_BIND:-0-$((threads - 1))}
+exec "$venv/bin/python" -m sglang.launch_server --device cpu "$@"

@@ -1,0 +1,519 @@
+"""The SGLang plugin's pieces, without a server: settings, selection (against SGLang's own
+organize_draft_results), routing capture, registration, the CPU-mode ops and tree-mask fix."""
+
+import json
+import math
+from importlib.metadata import entry_points
+from types import SimpleNamespace
+
+import pytest
+import torch
+from sglang_ecospec import routing, selection
+from sglang_ecospec.cpu_dev import ops
+from sglang_ecospec.settings import EcoSpecSettings, EcoSpecSettingsError
+
+from sgl_ecospec.predictor import OnlineExpertPredictor
+
+# --- settings -------------------------------------------------------------------------------
+
+
+def test_settings_defaults_and_env_overrides(tmp_path):
+    assert EcoSpecSettings.from_env({}) == EcoSpecSettings()
+    config = tmp_path / "ecospec.json"
+    config.write_text(json.dumps({"eps": 0.5, "policy": "confidence", "log_interval": 7}))
+    settings = EcoSpecSettings.from_env(
+        {
+            "SGLANG_ECOSPEC_CONFIG": str(config),
+            "SGLANG_ECOSPEC_EPS": "0.25",  # the variable wins over the file
+            "SGLANG_ECOSPEC_SHARE_BUFFER": "false",
+            "SGLANG_ECOSPEC_PREDICTOR_FILE": "none",
+            "OTHER": "ignored",
+        }
+    )
+    assert settings.eps == 0.25 and settings.policy == "confidence"
+    assert settings.share_buffer is False and settings.log_interval == 7
+    assert settings.predictor_file is None
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"SGLANG_ECOSPEC_EPSILON": "1"}, "unknown EcoSpec setting SGLANG_ECOSPEC_EPSILON"),
+        ({"SGLANG_ECOSPEC_EPS": "0"}, "eps must be"),
+        ({"SGLANG_ECOSPEC_EPS": "nan"}, "eps must be"),
+        ({"SGLANG_ECOSPEC_LEARN": "maybe"}, "not a valid bool"),
+        ({"SGLANG_ECOSPEC_POLICY": "fastest"}, "policy must be one of"),
+        ({"SGLANG_ECOSPEC_PREDICTOR": "oracle"}, "predictor must be one of"),
+        ({"SGLANG_ECOSPEC_PREDICTOR_FILE": "/no/such/file"}, "does not exist"),
+        ({"SGLANG_ECOSPEC_NUM_BUCKETS": "0"}, "num_buckets"),
+        ({"SGLANG_ECOSPEC_CONFIG": "/no/such.json"}, "no such file"),
+    ],
+)
+def test_settings_errors_name_the_problem(env, message):
+    with pytest.raises(EcoSpecSettingsError, match=message):
+        EcoSpecSettings.from_env(env)
+
+
+def test_settings_file_rejects_unknown_keys_and_wrong_types(tmp_path):
+    config = tmp_path / "bad.json"
+    config.write_text(json.dumps({"epsilon": 1.0}))
+    with pytest.raises(EcoSpecSettingsError, match="unknown EcoSpec settings"):
+        EcoSpecSettings.from_env({"SGLANG_ECOSPEC_CONFIG": str(config)})
+    config.write_text(json.dumps({"share_buffer": "yes"}))
+    with pytest.raises(EcoSpecSettingsError, match="must be bool"):
+        EcoSpecSettings.from_env({"SGLANG_ECOSPEC_CONFIG": str(config)})
+
+
+# --- selection ------------------------------------------------------------------------------
+
+
+def sglang_draft_tree(batch, topk, steps, seed, vocab=1000):
+    """score_list, token_list, parents_list exactly as EagleDraftWorker.draft_forward builds
+    them, from SGLang's own select_top_k_tokens and random draft distributions."""
+    from sglang.srt.speculative.spec_utils import select_top_k_tokens
+
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.zeros(batch, 4)
+    rows = batch
+    scores = None
+    score_list, token_list, parents_list = [], [], []
+    for i in range(steps):
+        probs = torch.rand(rows, vocab, generator=gen).pow(6)
+        probs = probs / probs.sum(-1, keepdim=True)
+        topk_p, topk_index = probs.topk(topk, dim=-1)
+        _, hidden, scores, tree_info = select_top_k_tokens(
+            i, topk_p, topk_index, hidden, scores, topk
+        )
+        score_list.append(tree_info[0])
+        token_list.append(tree_info[1])
+        parents_list.append(tree_info[2])
+        rows = batch * topk
+        hidden = torch.zeros(rows, 4)
+    return score_list, token_list, parents_list
+
+
+def make_selector(policy="confidence", share_buffer=True, num_experts=16, max_batch=8):
+    predictor = OnlineExpertPredictor(2, num_experts, 2, num_buckets=64)
+    settings = EcoSpecSettings(policy=policy, share_buffer=share_buffer, log_interval=0)
+    return selection.EcoSpecSelector(settings, predictor, topk=3, max_batch=max_batch, device="cpu")
+
+
+@pytest.mark.parametrize("batch, steps, ndt", [(1, 3, 6), (3, 4, 8), (2, 1, 3), (5, 2, 10)])
+def test_confidence_policy_equals_sglang_organize_draft_results(batch, steps, ndt):
+    from sglang.srt.speculative.eagle_utils import organize_draft_results
+
+    original = getattr(organize_draft_results, "__wrapped__", organize_draft_results)
+    tree = sglang_draft_tree(batch, 3, steps, seed=batch * 10 + steps)
+    want = original(*tree, ndt)
+    selector = make_selector("confidence")
+    selector.set_roots(torch.arange(batch))
+    got = selector.organize(*tree, ndt)
+    for w, g in zip(want, got, strict=True):
+        assert torch.equal(w, g)
+
+
+def assert_valid_selection(tree, got, ndt, topk=3):
+    score_list, token_list, parents_list = tree
+    parent_list, index, draft_tokens = got
+    tokens = torch.cat(token_list, 1)
+    batch, num_candidates = tokens.shape
+    assert index.shape == draft_tokens.shape == (batch, ndt - 1)
+    assert torch.equal(draft_tokens, tokens.gather(1, index))
+    parents = selection.candidate_parents(parent_list, num_candidates, topk)
+    for b in range(batch):
+        chosen = index[b].tolist()
+        assert chosen == sorted(set(chosen)) and 0 <= min(chosen) and max(chosen) < num_candidates
+        for c in chosen:  # ancestor-closed
+            assert parents[b, c] == -1 or int(parents[b, c]) in chosen
+
+
+@pytest.mark.parametrize("share_buffer", [True, False])
+def test_ecospec_policy_returns_what_sglang_expects(share_buffer):
+    tree = sglang_draft_tree(4, 3, 4, seed=3)
+    selector = make_selector("ecospec", share_buffer)
+    # Teach the predictor some routing so costs differ between tokens.
+    tokens = torch.cat(tree[1], 1).flatten()
+    gen = torch.Generator().manual_seed(0)
+    selector.predictor.observe(tokens, torch.randint(0, 16, (tokens.numel(), 2, 2), generator=gen))
+    selector.set_roots(torch.tensor([5, 6, 7, 8]))
+    got = selector.organize(*tree, 7)
+    assert_valid_selection(tree, got, 7)
+
+
+def test_ecospec_prefers_the_candidate_that_adds_fewer_experts():
+    # One request, topk 2, one step: two children of the root, P = 0.55 and 0.45.
+    score_list = [torch.tensor([[[0.55, 0.45]]])]
+    token_list = [torch.tensor([[10, 11]])]
+    parents_list = [torch.tensor([[-1, 0, 1]])]
+    predictor = OnlineExpertPredictor(1, 8, 2, num_buckets=1 << 16)
+    # The root (token 1) uses experts {0, 1}; token 10 needs {4, 5}; token 11 shares {0, 1}.
+    predictor.observe(torch.tensor([1, 10, 11]), torch.tensor([[[0, 1]], [[4, 5]], [[0, 1]]]))
+    for policy, want in [("confidence", 10), ("ecospec", 11)]:
+        settings = EcoSpecSettings(policy=policy, log_interval=0)
+        selector = selection.EcoSpecSelector(settings, predictor, topk=2, max_batch=2, device="cpu")
+        selector.set_roots(torch.tensor([1]))
+        _, _, draft_tokens = selector.organize(score_list, token_list, parents_list, 2)
+        assert draft_tokens.tolist() == [[want]]
+
+
+def test_candidate_parents_follow_sglang_tree_layout():
+    # topk 2, 3 steps: parent_list = [-1, 0, 1, a, b] where a, b are step-1 candidates.
+    parent_list = torch.tensor([[-1, 0, 1, 3, 4]])
+    parents = selection.candidate_parents(parent_list, 2 + 2 * 4, 2)
+    assert parents.tolist() == [[-1, -1, 0, 0, 1, 1, 3, 3, 4, 4]]
+    assert selection.candidate_parents(torch.empty(2, 0), 3, 3).tolist() == [[-1] * 3] * 2
+
+
+def test_set_roots_marks_padding_invalid():
+    selector = make_selector(max_batch=4)
+    selector.set_roots(torch.tensor([3, 4]))
+    assert selector.root_valid.tolist() == [True, True, False, False]
+    selector.set_roots(None)
+    assert not selector.root_valid.any()
+
+
+def test_organize_hook_defers_to_sglang_when_inactive():
+    calls = []
+
+    def original(*args):
+        calls.append(args)
+        return "sglang"
+
+    selection.activate(None)
+    assert selection.organize_hook(original, [1], [2], [3], 4) == "sglang"
+    selector = make_selector()
+    selection.activate(selector)
+    try:
+        tree = sglang_draft_tree(1, 3, 2, seed=1)
+        assert selection.organize_hook(original, *tree, 4)[1].shape == (1, 3)
+    finally:
+        selection.activate(None)
+    assert len(calls) == 1
+
+
+# --- routing --------------------------------------------------------------------------------
+
+
+def test_moe_layout_of_known_configs():
+    from transformers import Qwen2MoeConfig
+
+    qwen = Qwen2MoeConfig(
+        num_hidden_layers=6,
+        num_experts=64,
+        num_experts_per_tok=4,
+        mlp_only_layers=[1],
+        decoder_sparse_step=1,
+    )
+    assert routing.moe_layout(qwen) == ([0, 2, 3, 4, 5], 64, 4)
+    deepseek = SimpleNamespace(
+        num_hidden_layers=5,
+        n_routed_experts=256,
+        num_experts_per_tok=8,
+        first_k_dense_replace=3,
+        moe_layer_freq=1,
+    )
+    assert routing.moe_layout(deepseek) == ([3, 4], 256, 8)
+    with pytest.raises(ValueError, match="Mixture-of-Experts"):
+        routing.moe_layout(SimpleNamespace(num_hidden_layers=2))
+
+
+def test_capture_hook_writes_moe_layers_and_honors_the_opt_out():
+    capture = routing.RoutingCapture([0, 2], top_k=2, max_tokens=4, device="cpu")
+    routing.activate(capture)
+    try:
+        target = SimpleNamespace(allow_routed_experts_capture=True)
+        draft = SimpleNamespace(allow_routed_experts_capture=False)
+        ids = torch.tensor([[1, 2, 9], [3, 4, 9], [5, 6, 9], [7, 8, 9], [0, 0, 9]])
+        assert routing.after_capture("r", target, 2, ids) == "r"
+        routing.after_capture(None, target, 1, ids + 100)  # not a MoE layer
+        routing.after_capture(None, draft, 0, ids + 100)  # draft model opted out
+    finally:
+        routing.activate(None)
+    # Five tokens, four rows: the first four are kept; the extra (shared) column dropped.
+    assert capture.verify_routing(4)[:, 1].tolist() == [[1, 2], [3, 4], [5, 6], [7, 8]]
+    assert capture.verify_routing(4)[:, 0].eq(0).all()
+    assert capture.captures == 1
+    with pytest.raises(ValueError, match="exceed"):
+        capture.verify_routing(5)
+
+
+def test_verify_stats_union_and_recall():
+    predictor = OnlineExpertPredictor(1, 8, 2, num_buckets=1 << 16)
+    predictor.observe(torch.tensor([5]), torch.tensor([[[1, 2]]]))
+    stats = routing.VerifyStats(8, "cpu")
+    # Tokens 5 and 6 routed to {1, 2} and {2, 3}: union 3 experts; recall: token 5 fully
+    # predicted (2/2), token 6 (unseen, prior says {1, 2} or similar) at least 1/2 of {2, 3}.
+    stats.update(torch.tensor([5, 6]), torch.tensor([[[1, 2]], [[2, 3]]]), predictor)
+    summary = stats.read_and_reset()
+    assert summary["unique_experts_per_layer"] == 3.0 and summary["verify_steps"] == 1
+    assert 0.75 <= summary["predictor_recall"] <= 1.0
+    assert stats.steps == 0 and float(stats.unique_sum) == 0.0
+
+
+# --- registration ---------------------------------------------------------------------------
+
+
+def test_entry_point_is_installed():
+    names = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
+    assert names.get("ecospec") == "sglang_ecospec:register"
+
+
+def test_ecospec_is_a_registered_eagle3_like_algorithm():
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang_ecospec import algorithm
+
+    algorithm.register_algorithm()
+    algorithm.register_algorithm()  # idempotent
+    algo = SpeculativeAlgorithm.from_string("ecospec")
+    assert isinstance(algo, algorithm.EcoSpecAlgo) and algo.name == "ECOSPEC"
+    eagle3 = SpeculativeAlgorithm.EAGLE3
+    for method in [
+        name for name in vars(SpeculativeAlgorithm) if name.startswith(("is_", "supports_"))
+    ] + [
+        "need_topk",
+        "carries_draft_hidden_states",
+        "has_draft_kv",
+    ]:
+        assert getattr(algo, method)() == getattr(eagle3, method)(), method
+
+
+def test_validate_server_args_reports_bad_settings(monkeypatch):
+    from sglang_ecospec import algorithm
+
+    args = SimpleNamespace(speculative_draft_model_path="/d", speculative_eagle_topk=4)
+    algorithm.validate_server_args(args)
+    monkeypatch.setenv("SGLANG_ECOSPEC_EPS", "-1")
+    with pytest.raises(ValueError, match="ECOSPEC: eps must be"):
+        algorithm.validate_server_args(args)
+    monkeypatch.delenv("SGLANG_ECOSPEC_EPS")
+    with pytest.raises(ValueError, match="speculative-draft-model-path"):
+        algorithm.validate_server_args(
+            SimpleNamespace(speculative_draft_model_path=None, speculative_eagle_topk=4)
+        )
+
+
+def test_compat_hook_shares_embed_and_head_of_targets_without_the_method():
+    from sglang_ecospec import compat
+
+    embed, head = torch.nn.Embedding(4, 2), torch.nn.Linear(2, 4)
+    target = SimpleNamespace(model=SimpleNamespace(embed_tokens=embed), lm_head=head)
+    got = compat.resolve_target_embed_and_head(lambda *a, **k: "sglang", target)
+    assert got[0] is embed.weight and got[1] is head.weight
+    with_method = SimpleNamespace(get_embed_and_head=lambda: None)
+    assert compat.resolve_target_embed_and_head(lambda *a, **k: "sglang", with_method) == "sglang"
+
+
+# --- CPU development mode -------------------------------------------------------------------
+
+
+def test_cpu_mode_is_off_without_the_cpu_engine(monkeypatch):
+    from sglang_ecospec import cpu_dev
+
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
+    assert not cpu_dev.is_cpu_dev_mode() and not cpu_dev.enable_if_cpu()
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    assert cpu_dev.is_cpu_dev_mode() == (not torch.cuda.is_available())
+
+
+def test_tree_mask_mode_follows_the_attention_backend():
+    from sglang.kernels.ops.speculative.spec_tree import TreeMaskMode
+    from sglang_ecospec.cpu_dev import mask_mode_for_backend
+
+    assert mask_mode_for_backend("triton") == TreeMaskMode.FULL_MASK
+    assert mask_mode_for_backend("torch_native") == TreeMaskMode.FULL_MASK
+    assert mask_mode_for_backend("intel_amx") == TreeMaskMode.QLEN_ONLY
+    assert (ops.FULL_MASK, ops.QLEN_ONLY) == (TreeMaskMode.FULL_MASK, TreeMaskMode.QLEN_ONLY)
+
+
+def test_ops_register_into_the_sgl_kernel_namespace():
+    ops.register_ops()
+    assert set(ops.SCHEMAS) <= {name for name in ops.SCHEMAS if ops._op_exists(name)}
+    assert ops.register_ops() == []  # idempotent
+    bonus = torch.zeros(2, dtype=torch.int32)
+    accept = torch.tensor([[7, 8, 9], [4, 5, 6]], dtype=torch.int32)
+    torch.ops.sgl_kernel.fill_bonus_tokens_cpu(
+        accept, torch.tensor([2, 3], dtype=torch.int32), bonus, 3
+    )
+    assert bonus.tolist() == [8, 6]
+
+
+def build_tree(parent_list, selected, seq_lens, topk, depth, ndt, mode):
+    batch = parent_list.shape[0]
+    if mode == ops.QLEN_ONLY:
+        mask = torch.zeros(batch * ndt * ndt, dtype=torch.bool)
+    else:
+        mask = torch.ones(int(seq_lens.sum()) * ndt + batch * ndt * ndt, dtype=torch.bool)
+    positions = torch.zeros(batch * ndt, dtype=torch.int64)
+    index = torch.zeros(batch, ndt, dtype=torch.int64)
+    child = torch.full((batch, ndt), -1, dtype=torch.int64)
+    sibling = torch.full((batch, ndt), -1, dtype=torch.int64)
+    ops.build_tree_kernel_efficient(
+        parent_list,
+        selected,
+        seq_lens,
+        mask,
+        positions,
+        index,
+        child,
+        sibling,
+        topk,
+        depth,
+        ndt,
+        mode,
+    )
+    return mask, positions, index, child, sibling
+
+
+# topk 2, depth 3: candidates 0, 1 (children of the root), 2..5 (children of parent_list[1],
+# parent_list[2] = candidates 0, 1), 6..9 (children of parent_list[3], parent_list[4] = 3, 4).
+PARENT_LIST = torch.tensor([[-1, 0, 1, 3, 4]])
+SELECTED = torch.tensor([[0, 1, 3, 6, 7]])  # nodes 1..5; node 3 (cand 3) under node 1 (cand 0)
+
+
+def test_build_tree_links_positions_and_masks():
+    mask, positions, index, child, sibling = build_tree(
+        PARENT_LIST, SELECTED, torch.tensor([10]), 2, 3, 6, ops.QLEN_ONLY
+    )
+    # Tree: root 0 -> {1, 2}; 1 -> {3}; 3 -> {4, 5}.
+    assert child.tolist() == [[1, 3, -1, 4, -1, -1]]
+    assert sibling.tolist() == [[-1, 2, -1, -1, 5, -1]]
+    assert positions.tolist() == [10, 11, 11, 12, 13, 13]
+    assert index.tolist() == [[0, 1, 2, 3, 4, 5]]
+    m = mask.view(6, 6).int().tolist()
+    assert m[4] == [1, 1, 0, 1, 1, 0] and m[2] == [1, 0, 1, 0, 0, 0]
+    full, *_ = build_tree(PARENT_LIST, SELECTED, torch.tensor([3]), 2, 3, 6, ops.FULL_MASK)
+    block = full.view(6, 3 + 6)
+    assert block[:, :3].all() and torch.equal(block[:, 3:], mask.view(6, 6))
+
+
+def test_reconstruct_indices_from_mask_inverts_build_tree():
+    mask, positions, index, child, sibling = build_tree(
+        PARENT_LIST.repeat(2, 1),
+        SELECTED.repeat(2, 1),
+        torch.tensor([4, 9]),
+        2,
+        3,
+        6,
+        ops.QLEN_ONLY,
+    )
+    rec_pos = torch.zeros(12, dtype=torch.int64)
+    rec = [torch.zeros(2, 6, dtype=torch.int64) for _ in range(3)]
+    ops.reconstruct_indices_from_tree_mask(mask, torch.tensor([4, 9]), rec_pos, *rec, 2, 6)
+    assert torch.equal(rec_pos, positions)
+    assert (
+        torch.equal(rec[0], index) and torch.equal(rec[1], child) and torch.equal(rec[2], sibling)
+    )
+
+
+def test_verify_tree_greedy_walks_the_matching_path():
+    _, _, index, child, sibling = build_tree(
+        PARENT_LIST, SELECTED, torch.tensor([10]), 2, 3, 6, ops.QLEN_ONLY
+    )
+    candidates = torch.tensor([[100, 21, 22, 31, 41, 42]])
+    # Target argmax per node: at root 21 (-> node 1), at node 1 31 (-> node 3), at node 3 42
+    # (-> node 5), at node 5 77 (the bonus token).
+    target = torch.tensor([[21, 31, 0, 42, 0, 77]])
+    predicts = torch.zeros(6, dtype=torch.int32)
+    accept = torch.full((1, 4), -1, dtype=torch.int32)
+    count = torch.zeros(1, dtype=torch.int32)
+    ops.verify_tree_greedy(predicts, accept, count, candidates, index, child, sibling, target)
+    assert accept.tolist() == [[0, 1, 3, 5]] and count.tolist() == [3]
+    assert predicts.tolist() == [21, 31, 0, 42, 0, 77]
+    target[0, 0] = 999  # nothing matches at the root: only the bonus token
+    accept.fill_(-1)
+    ops.verify_tree_greedy(predicts, accept, count, candidates, index, child, sibling, target)
+    assert accept.tolist() == [[0, -1, -1, -1]] and count.tolist() == [0]
+
+
+def test_cache_location_ops():
+    req_to_token = torch.arange(40, dtype=torch.int32).view(4, 10)
+    rpi, start, end = torch.tensor([2, 0]), torch.tensor([1, 7]), torch.tensor([3, 10])
+    out = torch.zeros(5, dtype=torch.int64)
+    ops.assign_extend_cache_locs(rpi, req_to_token, start, end, out, 10)
+    assert out.tolist() == [21, 22, 7, 8, 9]
+    ops.assign_req_to_token_pool(rpi, req_to_token, start, end, torch.arange(100, 105), 10)
+    assert req_to_token[2, 1:3].tolist() == [100, 101] and req_to_token[0, 7:].tolist() == [
+        102,
+        103,
+        104,
+    ]
+    draft = torch.zeros(2 * 2 * 2, dtype=torch.int64)
+    ops.assign_draft_cache_locs_contiguous(
+        torch.tensor([1, 3]), req_to_token, torch.tensor([4, 5]), draft, 10, 2, 2
+    )
+    assert draft.tolist() == [14, 15, 16, 17, 35, 36, 37, 38]
+    accepted = torch.zeros(3, dtype=torch.int64)
+    ops.fill_accept_out_cache_loc(
+        torch.tensor([[0, 2, -1], [4, -1, -1]], dtype=torch.int32),
+        torch.tensor([50, 51, 52, 53, 54, 55]),
+        accepted,
+    )
+    assert accepted.tolist() == [50, 52, 54]
+    meta = ops.build_draft_decode_metadata(
+        req_to_token, torch.tensor([1]), torch.tensor([2]), 2, 2, 10
+    )
+    assert meta[:, :4].tolist() == [[10, 11, 12, 13], [10, 11, 14, 15]]
+
+
+def test_rotate_input_ids():
+    ids = torch.tensor([1, 2, 3, 4, 5])
+    ops.rotate_input_ids(
+        ids, torch.tensor([0, 3]), torch.tensor([3, 2]), torch.tensor([9, 8]), None
+    )
+    assert ids.tolist() == [2, 3, 9, 5, 8]
+
+
+def test_copy_all_layer_kv_cache_moves_slots_of_every_buffer():
+    buffers = [torch.arange(24, dtype=torch.float32).view(6, 4), torch.arange(12.0).view(6, 2)]
+    data_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.uint64)
+    strides = torch.tensor([b.stride(0) * b.element_size() for b in buffers])
+    expected = [b.clone() for b in buffers]
+    for b in expected:
+        b[[0, 1]] = b[[1, 5]].clone()
+    ops.copy_all_layer_kv_cache(data_ptrs, strides, torch.tensor([0, 1]), torch.tensor([1, 5]))
+    for got, want in zip(buffers, expected, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_tiny_target_spec_round_trip(tmp_path):
+    from sglang_ecospec.cpu_dev import tiny
+
+    spec = tiny.TinyTargetSpec()
+    ids = tiny.output_ids(spec)
+    assert ids.numel() == spec.output_vocab and math.isclose(spec.copy_weight, 0.0)
+    (tmp_path / tiny.MARKER).write_text(json.dumps({"kind": "target", **spec.__dict__}))
+    assert tiny.target_spec_of(tmp_path) == spec
+
+
+def test_runtime_learns_from_the_verify_routing_and_logs_statistics():
+    from sglang_ecospec import algorithm
+    from transformers import Qwen2MoeConfig
+
+    config = Qwen2MoeConfig(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
+    settings = EcoSpecSettings(log_interval=1, num_buckets=1 << 12)
+    runtime = algorithm.EcoSpecRuntime(
+        settings, config, topk=2, num_draft_tokens=3, max_batch=2, device="cpu"
+    )
+    try:
+        assert selection.active() is runtime.selector and routing.active() is runtime.capture
+        runtime.before_decode(
+            SimpleNamespace(is_draft_input=lambda: True, bonus_tokens=torch.tensor([4, 5]))
+        )
+        assert runtime.selector.root_valid.tolist() == [True, True]
+        # The verify forward of 2 requests x 3 tokens routes token t to experts {t%8, (t+1)%8}.
+        tokens = torch.tensor([4, 9, 10, 5, 11, 12])
+        ids = torch.stack([tokens % 8, (tokens + 1) % 8], 1)
+        topk_config = SimpleNamespace(allow_routed_experts_capture=True)
+        for layer in (0, 1):
+            routing.after_capture(None, topk_config, layer, ids)
+        runtime.after_verify(SimpleNamespace(draft_token=tokens))
+        predicted = runtime.predictor.predict_topk(tokens)  # learnt: exact routing
+        assert torch.equal(
+            predicted.sort(-1).values, ids.sort(-1).values[:, None].expand(-1, 2, -1)
+        )
+        (summary,) = runtime.summaries
+        assert summary["verify_tokens_per_step"] == 6.0
+        assert summary["unique_experts_per_layer"] == 6.0  # experts 1..6
+    finally:
+        runtime.close()
+    assert selection.active() is None and routing.active() is None
