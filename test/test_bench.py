@@ -433,3 +433,15 @@ def test_bench_end_to_end_on_tiny_models(tiny_models, tmp_path, capsys):
     # The draft was fitted to these very continuations: most drafts are accepted.
     assert report["policies"]["confidence"]["accept_length"] > 2.0
     assert out_png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_default_models_are_the_testbed(monkeypatch, tmp_path):
+    import sgl_ecospec.testbed.build as testbed_build
+    from sgl_ecospec.bench.cli import default_models
+    from sgl_ecospec.testbed.recipe import RECIPES
+
+    built = []
+    monkeypatch.setattr(testbed_build, "build", lambda recipe: built.append(recipe) or tmp_path)
+    assert default_models(small=True) == (str(tmp_path / "target"), str(tmp_path / "draft"))
+    assert default_models(small=False)[0] == str(tmp_path / "target")
+    assert built == [RECIPES["small"], RECIPES["full"]]

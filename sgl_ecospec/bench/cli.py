@@ -175,14 +175,11 @@ def validate(args: argparse.Namespace) -> dict:
 
 def default_models(small: bool) -> tuple[str, str]:
     """The testbed's (target, draft) directories, built on first use."""
-    try:
-        from sgl_ecospec.testbed import testbed_paths
-    except ImportError as exc:
-        raise ValueError(
-            f"the testbed is not available ({exc}); pass --target DIR --draft DIR"
-        ) from None
-    target, draft = testbed_paths(small=small)
-    return str(target), str(draft)
+    from sgl_ecospec.testbed.build import build
+    from sgl_ecospec.testbed.recipe import RECIPES
+
+    out = build(RECIPES["small" if small else "full"])
+    return str(out / "target"), str(out / "draft")
 
 
 @functools.lru_cache(maxsize=8)
