@@ -189,12 +189,6 @@ def test_argparse_rejects_unknown_predictor(capsys):
     assert "invalid choice: 'learned'" in capsys.readouterr().err
 
 
-def test_missing_testbed_names_the_flags(monkeypatch):
-    monkeypatch.setitem(sys.modules, "sgl_ecospec.testbed", types.ModuleType("empty"))
-    with pytest.raises(ValueError, match="pass --target DIR --draft DIR"):
-        bench_cli.default_models(small=False)
-
-
 # --- the command on a fake engine --------------------------------------------------------
 
 E, K, L = 16, 2, 3
