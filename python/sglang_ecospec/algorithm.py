@@ -12,7 +12,9 @@ the V2 worker path), and :class:`EcoSpecWorker` is SGLang's ``EAGLEWorkerV2`` pl
 - before each decode step: the batch's bonus tokens copied into the selector (seeds of the
   expert buffer);
 - after each verify: the verify tokens' captured routing feeds the statistics and the
-  predictor (no host sync; the statistics are read once per ``log_interval`` steps).
+  predictor (no host sync); the statistics are read (one host sync each) for SGLang's decode
+  log line and /metrics (:mod:`sglang_ecospec.metrics`, once per ``--decode-log-interval``)
+  and for the "EcoSpec:" line (once per ``log_interval`` verify steps).
 
 What EAGLE3 gets from SGLang code that tests the literal string "EAGLE3" (or "EAGLE"), and
 ECOSPEC therefore does not, is listed in docs/sglang.md.
@@ -141,7 +143,7 @@ class EcoSpecRuntime:
         device,
     ):
         from sgl_ecospec.predictor import OnlineExpertPredictor
-        from sglang_ecospec import routing, selection
+        from sglang_ecospec import metrics, routing, selection
 
         layer_ids, num_experts, top_k = routing.moe_layout(hf_config)
         if settings.predictor_file:
@@ -171,12 +173,16 @@ class EcoSpecRuntime:
             layer_ids, top_k, max_batch * num_draft_tokens, device
         )
         self.stats = routing.VerifyStats(num_experts, device)
-        self.summaries: list[dict] = []
+        self.log_window = self.stats.window()  # the "EcoSpec:" line
+        self.decode_log_window = self.stats.window()  # SGLang's decode log line, /metrics
+        self.summaries: list[dict] = []  # what the "EcoSpec:" lines reported
         self._warned_overflow = False
         selection.install_hook()
         routing.install_hook()
+        metrics.install_hook()
         selection.activate(self.selector)
         routing.activate(self.capture)
+        metrics.activate(self.decode_log_window)
         logger.info(
             "%s active: %d MoE layers x %d experts (top-%d), predictor %s, policy %s, eps %g, "
             "share_buffer %s, learn %s",
@@ -217,8 +223,8 @@ class EcoSpecRuntime:
         if self.settings.learn:
             self.predictor.observe(tokens, routing_ids, validate=False)
         interval = self.settings.log_interval
-        if interval and self.stats.steps >= interval:
-            summary = self.stats.read_and_reset()
+        if interval and self.log_window.pending_steps >= interval:
+            summary = self.log_window.read()
             self.summaries.append(summary)
             logger.info(
                 "EcoSpec: %d verify steps, unique experts/layer/step %.2f, predictor recall "
@@ -230,12 +236,14 @@ class EcoSpecRuntime:
             )
 
     def close(self) -> None:
-        from sglang_ecospec import routing, selection
+        from sglang_ecospec import metrics, routing, selection
 
         if selection.active() is self.selector:
             selection.activate(None)
         if routing.active() is self.capture:
             routing.activate(None)
+        if metrics.active() is self.decode_log_window:
+            metrics.activate(None)
 
 
 def _make_worker_class():

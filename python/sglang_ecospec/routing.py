@@ -140,19 +140,26 @@ def install_hook() -> None:
 
 
 class VerifyStats:
-    """Device-side running sums over verify steps, read (one host sync) once per interval.
+    """Device-side running totals over verify steps; each reader (:class:`StatsWindow`) takes
+    the means since its own last read, with one host sync per read.
 
     Per verify step: the unique experts each MoE layer loaded (the union over the step's
     verify tokens, batch-wide), averaged over layers; and the predictor's top-K recall on the
-    step's tokens, measured before it learns from them.
+    step's tokens, measured before it learns from them. Totals are never reset, so several
+    readers with different intervals (the "EcoSpec:" line, SGLang's decode log line and
+    /metrics) see the same steps without taking them from one another.
+
+    Attributes:
+        totals: float64 ``[2]`` on the device: summed unique experts per layer, summed recall.
+        steps: verify steps so far (a Python int: deciding when to read needs no sync).
+        tokens: verify tokens so far (a Python int, known on the host).
     """
 
     def __init__(self, num_experts: int, device):
         self.num_experts = num_experts
-        self.unique_sum = torch.zeros((), dtype=torch.float64, device=device)
-        self.recall_sum = torch.zeros((), dtype=torch.float64, device=device)
-        self.tokens_sum = torch.zeros((), dtype=torch.float64, device=device)
-        self.steps = 0  # Python int: no sync to decide when to log
+        self.totals = torch.zeros(2, dtype=torch.float64, device=device)
+        self.steps = 0
+        self.tokens = 0
 
     def update(self, tokens: torch.Tensor, routing: torch.Tensor, predictor) -> None:
         """``tokens [T]`` verified this step, ``routing [T, L, K]`` their experts."""
@@ -161,23 +168,51 @@ class VerifyStats:
         num_tokens, layers, top_k = routing.shape
         union = torch.zeros((layers, self.num_experts), device=routing.device)  # [L, E]
         union.scatter_(1, routing.transpose(0, 1).reshape(layers, -1), 1.0)
-        self.unique_sum += union.sum() / layers
+        unique = union.sum() / layers
         predicted = predictor.predict_topk(tokens)  # [T, L, K]
         truth = multi_hot(routing, self.num_experts, validate=False)  # [T, L, E]
-        self.recall_sum += truth.gather(-1, predicted).sum() / (num_tokens * layers * top_k)
-        self.tokens_sum += num_tokens
+        recall = truth.gather(-1, predicted).sum() / (num_tokens * layers * top_k)
+        self.totals += torch.stack((unique, recall)).to(torch.float64)
         self.steps += 1
+        self.tokens += num_tokens
 
-    def read_and_reset(self) -> dict:
-        """Means since the last read (one host sync), then zeroes the sums."""
-        steps = max(self.steps, 1)
+    def window(self) -> "StatsWindow":
+        """A new reader whose first window starts now."""
+        return StatsWindow(self)
+
+
+class StatsWindow:
+    """One reader of :class:`VerifyStats`: means over the verify steps since its last read."""
+
+    def __init__(self, stats: VerifyStats):
+        self.stats = stats
+        self._steps = stats.steps
+        self._tokens = stats.tokens
+        self._totals = stats.totals.tolist()
+
+    @property
+    def pending_steps(self) -> int:
+        """Verify steps since the last read (no sync)."""
+        return self.stats.steps - self._steps
+
+    def read(self) -> dict | None:
+        """Means over the window (one host sync) and start of the next window; None, without
+        a sync, when no verify step ran since the last read.
+
+        Returns:
+            ``verify_steps``, ``unique_experts_per_layer`` (per verify step, mean over MoE
+            layers), ``predictor_recall``, ``verify_tokens_per_step``.
+        """
+        steps = self.pending_steps
+        if steps <= 0:
+            return None
+        totals = self.stats.totals.tolist()
+        unique, recall = (now - before for now, before in zip(totals, self._totals, strict=True))
         summary = {
-            "verify_steps": self.steps,
-            "unique_experts_per_layer": float(self.unique_sum) / steps,
-            "predictor_recall": float(self.recall_sum) / steps,
-            "verify_tokens_per_step": float(self.tokens_sum) / steps,
+            "verify_steps": steps,
+            "unique_experts_per_layer": unique / steps,
+            "predictor_recall": recall / steps,
+            "verify_tokens_per_step": (self.stats.tokens - self._tokens) / steps,
         }
-        for total in (self.unique_sum, self.recall_sum, self.tokens_sum):
-            total.zero_()
-        self.steps = 0
+        self._steps, self._tokens, self._totals = self.stats.steps, self.stats.tokens, totals
         return summary

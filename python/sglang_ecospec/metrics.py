@@ -1,0 +1,211 @@
+"""EcoSpec's statistics in SGLang's decode log line and on the server's /metrics endpoint.
+
+Every ``--decode-log-interval`` decode batches SGLang's scheduler calls
+``SchedulerMetricsReporter.report_decode_stats``, which logs the "Decode batch. ..." line
+(with SGLang's own ``accept len``) and, with ``--enable-metrics``, sets its Prometheus
+gauges. :func:`report_decode_stats_hook` (an AROUND hook on that method, installed by an
+ECOSPEC worker in its scheduler process only) does, on exactly those calls:
+
+- reads the active :class:`~sglang_ecospec.routing.StatsWindow` (one host sync per decode
+  log line: the statistics live on the device);
+- appends ``, ecospec experts/layer/step: 5.62, predictor recall: 0.833`` to the decode line,
+  through a :class:`logging.Filter` on SGLang's reporter logger that is armed only while
+  the hooked call runs;
+- with ``--enable-metrics``, sets :class:`EcoSpecMetrics` (labels and metric classes taken
+  from SGLang's scheduler collector, multiprocess mode like SGLang's gauges).
+
+Without an active window (EAGLE3 and every other algorithm) the hook calls SGLang's method
+and nothing else.
+"""
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+REPORT_TARGET = (
+    "sglang.srt.managers.scheduler_components.metrics_reporter."
+    "SchedulerMetricsReporter.report_decode_stats"
+)
+DECODE_LOGGER = "sglang.srt.managers.scheduler_components.metrics_reporter"
+DECODE_LINE_PREFIX = "Decode batch"
+
+
+def decode_log_fields(summary: dict) -> str:
+    """What EcoSpec appends to SGLang's decode log line (leading ", ")."""
+    return (
+        f", ecospec experts/layer/step: {summary['unique_experts_per_layer']:.2f}"
+        f", predictor recall: {summary['predictor_recall']:.3f}"
+    )
+
+
+class EcoSpecMetrics:
+    """EcoSpec's Prometheus series, labelled as SGLang's scheduler metrics.
+
+    The gauges hold the means of the last decode log window (as SGLang's
+    ``sglang:spec_accept_length``); in Prometheus' multiprocess mode (SGLang's, through
+    ``PROMETHEUS_MULTIPROC_DIR``) they keep the most recent value of any process
+    (``multiprocess_mode="mostrecent"``, as SGLang's gauges). prometheus_client is imported
+    here, not at module level, so that the scheduler has set that variable first.
+
+    Args:
+        labels: label name -> value, SGLang's scheduler labels (model_name, tp_rank, ...).
+        gauge_cls, counter_cls: metric classes with prometheus_client's API; None:
+            prometheus_client's (SGLang's collectors may swap in others, e.g. Ray's).
+        registry: a prometheus_client registry (tests); None: the library's default.
+    """
+
+    def __init__(self, labels: dict, *, gauge_cls=None, counter_cls=None, registry=None):
+        from prometheus_client import Counter, Gauge
+
+        gauge_cls = gauge_cls or Gauge
+        counter_cls = counter_cls or Counter
+        extra = {} if registry is None else {"registry": registry}
+        names = list(labels)
+
+        def gauge(name: str, documentation: str):
+            metric = gauge_cls(
+                name=name,
+                documentation=documentation,
+                labelnames=names,
+                multiprocess_mode="mostrecent",
+                **extra,
+            )
+            return metric.labels(**labels)
+
+        self.unique_experts = gauge(
+            "sglang:ecospec_unique_experts_per_layer_step",
+            "EcoSpec: unique experts loaded per MoE layer per verify step (union over the "
+            "step's verify tokens, mean over layers and over the last decode log window).",
+        )
+        self.predictor_recall = gauge(
+            "sglang:ecospec_predictor_recall",
+            "EcoSpec: the expert predictor's top-K recall on verify tokens, before learning "
+            "from them (mean over the last decode log window).",
+        )
+        self.accept_length = gauge(
+            "sglang:ecospec_accept_length",
+            "EcoSpec: mean acceptance length (accepted drafts + bonus token per request and "
+            "verify step) over the last decode log window.",
+        )
+        self.verify_tokens = gauge(
+            "sglang:ecospec_verify_tokens_per_step",
+            "EcoSpec: verify tokens per verify step (batch-wide, mean over the last decode "
+            "log window).",
+        )
+        self.verify_steps = counter_cls(
+            name="sglang:ecospec_verify_steps",
+            documentation="EcoSpec: verify steps measured.",
+            labelnames=names,
+            **extra,
+        ).labels(**labels)
+
+    def record(self, summary: dict, accept_length: float | None) -> None:
+        """Sets the series from one window (``StatsWindow.read``) and SGLang's acceptance
+        length over the same decode log window (None: none known; left as it was)."""
+        self.unique_experts.set(summary["unique_experts_per_layer"])
+        self.predictor_recall.set(summary["predictor_recall"])
+        self.verify_tokens.set(summary["verify_tokens_per_step"])
+        self.verify_steps.inc(summary["verify_steps"])
+        if accept_length is not None:
+            self.accept_length.set(accept_length)
+
+
+class DecodeLineFields(logging.Filter):
+    """Appends ``fields`` to the next "Decode batch" record of SGLang's reporter logger."""
+
+    def __init__(self):
+        super().__init__()
+        self.fields: str | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if (
+            self.fields
+            and isinstance(record.msg, str)
+            and record.msg.startswith(DECODE_LINE_PREFIX)
+        ):
+            record.msg += self.fields
+            self.fields = None
+        return True
+
+
+_active = None  # the StatsWindow of this process's ECOSPEC worker
+_line_fields = DecodeLineFields()
+_metrics: EcoSpecMetrics | None = None
+
+
+def activate(window) -> None:
+    """Makes ``window`` (a ``routing.StatsWindow``) the one the hook reads (None: stop)."""
+    global _active
+    _active = window
+
+
+def active():
+    return _active
+
+
+def is_report_tick(reporter) -> bool:
+    """Whether this ``report_decode_stats`` call logs the line or sets the metrics: the
+    conditions under which SGLang's method does its periodic work."""
+    interval = reporter.decode_log_interval
+    return (
+        interval > 0
+        and reporter.forward_ct_decode % interval == 0
+        and (reporter.is_stats_logging_rank or reporter.current_scheduler_metrics_enabled)
+    )
+
+
+def window_accept_length(reporter) -> float | None:
+    """SGLang's acceptance length over the decode log window that is about to be reported
+    (the method resets these counters, so read them before it runs)."""
+    forwards = getattr(reporter, "spec_num_forward_ct", 0)
+    if not forwards:
+        return None
+    return reporter.spec_num_accept_tokens / forwards
+
+
+def metrics_for(collector) -> EcoSpecMetrics:
+    """This process's :class:`EcoSpecMetrics`, built on first use with ``collector``'s labels
+    and metric classes (a series can be registered once per process)."""
+    global _metrics
+    if _metrics is None:
+        _metrics = EcoSpecMetrics(
+            collector.labels,
+            gauge_cls=getattr(collector, "_gauge_cls", None),
+            counter_cls=getattr(collector, "_counter_cls", None),
+        )
+    return _metrics
+
+
+def report_decode_stats_hook(original, reporter, *args, **kwargs):
+    """AROUND hook on ``SchedulerMetricsReporter.report_decode_stats`` (module doc)."""
+    window = _active
+    if window is None or not is_report_tick(reporter):
+        return original(reporter, *args, **kwargs)
+    summary = window.read()
+    if summary is None:
+        return original(reporter, *args, **kwargs)
+    accept_length = window_accept_length(reporter)
+    _line_fields.fields = decode_log_fields(summary)
+    try:
+        result = original(reporter, *args, **kwargs)
+    finally:
+        _line_fields.fields = None
+    collector = getattr(reporter, "metrics_collector", None)
+    if reporter.current_scheduler_metrics_enabled and collector is not None:
+        metrics_for(collector).record(summary, accept_length)
+    return result
+
+
+_installed = False
+
+
+def install_hook() -> None:
+    """Registers and applies the reporter hook and the log filter (idempotent)."""
+    global _installed
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if not _installed:
+        HookRegistry.register(REPORT_TARGET, report_decode_stats_hook, HookType.AROUND)
+        HookRegistry.apply_hooks()
+        logging.getLogger(DECODE_LOGGER).addFilter(_line_fields)
+        _installed = True
