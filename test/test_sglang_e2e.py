@@ -4,13 +4,16 @@ The tiny Qwen2-MoE target and its constructed EAGLE-3 draft (sglang_ecospec.cpu_
 are served twice on a free loopback port: without speculation, then with ECOSPEC (topk 4).
 At temperature 0 ECOSPEC must return token for token what the server without speculation
 returns, with a mean acceptance length above 1, /server_info must name ECOSPEC, and the
-scheduler must log EcoSpec's statistics. Servers are always shut down, even on failure.
+scheduler must log EcoSpec's statistics; the ECOSPEC server runs with --enable-metrics, and
+its decode log line and /metrics must carry EcoSpec's statistics with sane values. Servers
+are always shut down, even on failure.
 
 About 2-3 minutes on 2 cores. Select with ``-m e2e``, skip with ``-m "not e2e"``.
 """
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -126,6 +129,10 @@ class CpuServer:
         with urllib.request.urlopen(self.url + path, timeout=30) as response:
             return json.load(response)
 
+    def get_text(self, path: str) -> str:
+        with urllib.request.urlopen(self.url + path, timeout=30) as response:
+            return response.read().decode()
+
     def generate(self, prompt: str) -> dict:
         body = json.dumps(
             {
@@ -151,6 +158,39 @@ class CpuServer:
                     pass
                 self.process.wait(timeout=30)
         self._log.close()
+
+
+def prometheus_values(text: str, name: str) -> list[tuple[str, float]]:
+    """(labels, value) of every sample of ``name`` in a /metrics page."""
+    pattern = re.compile(rf"^{re.escape(name)}\{{(.*)\}} (\S+)$", re.MULTILINE)
+    return [(labels, float(value)) for labels, value in pattern.findall(text)]
+
+
+def assert_ecospec_observability(log_text: str, metrics_text: str, target: Path) -> None:
+    """EcoSpec's statistics in SGLang's decode log line and on /metrics, within bounds."""
+    config = json.loads((target / "config.json").read_text())
+    top_k, num_experts = config["num_experts_per_tok"], config["num_experts"]
+    max_accept = int(ECOSPEC_ARGS[ECOSPEC_ARGS.index("--speculative-num-steps") + 1]) + 1
+    lines = re.findall(
+        r"Decode batch.*accept len: ([\d.]+).*ecospec experts/layer/step: ([\d.]+), "
+        r"predictor recall: ([\d.]+)",
+        log_text,
+    )
+    assert lines, "no decode log line with EcoSpec's fields"
+    for accept, experts, recall in lines:
+        assert 1.0 <= float(accept) <= max_accept and 0.0 <= float(recall) <= 1.0
+        assert top_k <= float(experts) <= num_experts
+    bounds = {
+        "sglang:ecospec_unique_experts_per_layer_step": (top_k, num_experts),
+        "sglang:ecospec_predictor_recall": (0.0, 1.0),
+        "sglang:ecospec_accept_length": (1.0, max_accept),
+        "sglang:ecospec_verify_steps_total": (1.0, float("inf")),
+    }
+    for name, (low, high) in bounds.items():
+        samples = prometheus_values(metrics_text, name)
+        assert samples, f"{name} missing from /metrics"
+        for labels, value in samples:
+            assert 'model_name="' in labels and low <= value <= high, (name, labels, value)
 
 
 @pytest.fixture(scope="module")
@@ -183,10 +223,14 @@ def test_ecospec_matches_plain_decoding_and_accepts_drafts(
         *ECOSPEC_ARGS,
         "--speculative-draft-model-path",
         str(draft),
+        "--enable-metrics",
+        "--decode-log-interval",
+        "4",
     ]
     with CpuServer(args, log, env={"SGLANG_ECOSPEC_LOG_INTERVAL": "2"}) as server:
         outputs = [server.generate(prompt) for prompt in PROMPTS]
         info = server.get("/server_info")
+        metrics_text = server.get_text("/metrics")
     assert info["speculative_algorithm"] == "ECOSPEC"
     accept_lengths = []
     for prompt, plain, eco in zip(PROMPTS, plain_outputs, outputs, strict=True):
@@ -196,3 +240,4 @@ def test_ecospec_matches_plain_decoding_and_accepts_drafts(
     assert sum(accept_lengths) / len(accept_lengths) > 1.0, accept_lengths
     text = log.read_text(errors="replace")
     assert "ECOSPEC active" in text and "EcoSpec:" in text, server.log_tail()
+    assert_ecospec_observability(text, metrics_text, target)
