@@ -19,4 +19,7 @@ WORKDIR /sgl-workspace/sgl-ecospec
 COPY . .
 RUN MAX_JOBS="${MAX_JOBS}" SGL_ECOSPEC_CUDA=1 bash scripts/docker_install.sh
 
+# `python3 -m` puts the working directory first on sys.path: started in the source tree, the
+# server would import sgl_ecospec from there, which has no compiled extension.
+WORKDIR /sgl-workspace
 EXPOSE 30000

@@ -94,6 +94,11 @@ def test_dockerfile_builds_on_the_pinned_sglang_image_with_the_install_script():
     assert f'org.opencontainers.image.base.name="{image}"' in text
     runs = re.findall(r"^RUN\s+(.*)$", text, re.M)
     assert runs == ['MAX_JOBS="${MAX_JOBS}" SGL_ECOSPEC_CUDA=1 bash ' + INSTALL_SCRIPT]
+    # The source tree (COPY . . into the first WORKDIR) must not be the containers' working
+    # directory, or `python3 -m sglang.launch_server` imports the uncompiled sources.
+    workdirs = re.findall(r"^WORKDIR\s+(\S+)", text, re.M)
+    assert re.search(r"^COPY \. \.$", text, re.M) and len(workdirs) == 2
+    assert not Path(workdirs[1]).is_relative_to(workdirs[0])
 
 
 def test_build_context_has_the_sources_and_no_environment_or_outputs(tmp_path):
