@@ -293,6 +293,7 @@ def check_ecospec_launch(args: argparse.Namespace) -> None:
     assert args.speculative_eagle_topk > 1
     assert args.speculative_num_draft_tokens > args.speculative_num_steps
     assert (args.tp_size, args.ep_size) == (8, 8)
+    assert args.enable_metrics
 
 
 def test_compose_server_launches_ecospec_on_8_gpus_with_valid_settings():
