@@ -1,0 +1,153 @@
+"""scripts/bench_serving.sh: argument checks, server launch lines, log parsing, and one real
+run (CPU development mode, tiny models) that must print the table and write the JSON."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from sglang_ecospec import bench_serving
+from sglang_ecospec.local_server import ecospec_log_summary, gpu_present
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cfg(*argv):
+    return bench_serving.validate(bench_serving.build_parser().parse_args(list(argv)))
+
+
+def test_defaults_cover_every_algorithm_and_two_concurrencies():
+    cfg = _cfg()
+    assert cfg["algorithms"] == list(bench_serving.ALGORITHMS)
+    assert cfg["concurrency"] == [1, 4]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--algorithms", "eagle3,medusa"], "unknown --algorithms"),
+        (["--algorithms", "ecospec,ecospec"], "twice"),
+        (["--concurrency", "1,x"], "comma-separated integers"),
+        (["--concurrency", "0"], ">= 1"),
+        (["--output-len", "2"], ">= 4"),
+        (["--eps", "0"], "--eps must be > 0"),
+        (["--model-path", "/m"], "both --model-path and --draft-model-path"),
+    ],
+)
+def test_invalid_arguments_fail_before_any_server(argv, message):
+    with pytest.raises(ValueError, match=message):
+        _cfg(*argv)
+
+
+def test_server_launch_lines():
+    cfg = _cfg("--model-path", "/m", "--draft-model-path", "/d", "--concurrency", "2,8")
+    cfg["server_args"] = ["--dtype", "float32"]
+    args, env = bench_serving.server_launch(cfg, "none")
+    assert args == ["--model-path", "/m", "--dtype", "float32", "--max-running-requests", "8"]
+    assert env == {}
+    args, env = bench_serving.server_launch(cfg, "eagle3")
+    assert args[args.index("--speculative-algorithm") + 1] == "EAGLE3"
+    assert args[args.index("--speculative-draft-model-path") + 1] == "/d"
+    assert env == {}
+    for algorithm, policy in (("ecospec", "ecospec"), ("ecospec-confidence", "confidence")):
+        args, env = bench_serving.server_launch(cfg, algorithm)
+        assert args[args.index("--speculative-algorithm") + 1] == "ECOSPEC"
+        assert env["SGLANG_ECOSPEC_POLICY"] == policy
+        assert "SGLANG_ECOSPEC_EPS" not in env
+
+
+def test_log_summary_weights_lines_by_steps():
+    text = (
+        "[t] EcoSpec: 4 verify steps, unique experts/layer/step 10.00, predictor recall 0.500, "
+        "verify tokens/step 5.0\nother line\n"
+        "[t] EcoSpec: 2 verify steps, unique experts/layer/step 4.00, predictor recall 0.800, "
+        "verify tokens/step 5.0\n"
+    )
+    summary = ecospec_log_summary(text)
+    assert summary["verify_steps"] == 6
+    assert summary["experts_per_layer_step"] == pytest.approx((40 + 8) / 6)
+    assert summary["predictor_recall"] == pytest.approx((2.0 + 1.6) / 6)
+    assert ecospec_log_summary("no statistics")["experts_per_layer_step"] is None
+
+
+def test_sharegpt_file_is_what_sglang_reads(tmp_path):
+    from sglang.benchmark.datasets.sharegpt import sample_sharegpt_requests
+    from sglang_ecospec.cpu_dev.tiny import load_smollm2_tokenizer
+
+    path = tmp_path / "mt.json"
+    bench_serving.write_sharegpt_file("mt-bench", 3, 0, path)
+    records = json.loads(path.read_text())
+    assert len(records) == 3 and all(r["id"].startswith("mt-bench:") for r in records)
+    tokenizer = load_smollm2_tokenizer()
+    rows = sample_sharegpt_requests(str(path), 3, tokenizer, fixed_output_len=16)
+    assert sorted(r.prompt for r in rows) == sorted(r["conversations"][0]["value"] for r in records)
+    assert all(r.output_len == 16 for r in rows)
+
+
+def test_table_marks_missing_values():
+    table = bench_serving.format_table(
+        [
+            {"algorithm": "none", "concurrency": 1, "completed": 2, "output_throughput": 1.5},
+            {
+                "algorithm": "ecospec",
+                "concurrency": 1,
+                "completed": 2,
+                "output_throughput": 0.5,
+                "mean_tpot_ms": 20.0,
+                "accept_length": 1.4,
+                "experts_per_layer_step": 6.25,
+                "predictor_recall": 0.5,
+            },
+        ]
+    )
+    lines = table.splitlines()
+    assert lines[0].split()[:3] == ["algorithm", "conc", "done"]
+    assert lines[1].split()[-4:] == ["-", "-", "-", "-"]
+    assert lines[2].split()[-3:] == ["1.400", "6.25", "0.500"]
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(gpu_present(), reason="runs the CPU development mode")
+def test_script_runs_servers_and_writes_table(tmp_path):
+    from sglang_ecospec.cpu_dev import tiny
+
+    target = tiny.make_tiny_target(tmp_path / "target")
+    draft = tiny.make_tiny_draft(target, tmp_path / "draft")
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "scripts" / "bench_serving.sh"),
+            "--model-path",
+            str(target),
+            "--draft-model-path",
+            str(draft),
+            "--algorithms",
+            "none,ecospec",
+            "--concurrency",
+            "2",
+            "--num-prompts",
+            "2",
+            "--output-len",
+            "8",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    runs = {r["algorithm"]: r for r in json.loads(out.read_text())["runs"]}
+    assert set(runs) == {"none", "ecospec"}
+    for run in runs.values():
+        assert run["completed"] == 2 and run["output_throughput"] > 0
+    assert runs["none"]["experts_per_layer_step"] is None
+    assert runs["ecospec"]["accept_length"] >= 1.0
+    config = json.loads((target / "config.json").read_text())
+    assert (
+        config["num_experts_per_tok"]
+        <= runs["ecospec"]["experts_per_layer_step"]
+        <= config["num_experts"]
+    )
+    assert "ecospec" in done.stdout.splitlines()[-1]
