@@ -11,7 +11,8 @@ TORCH_LIBRARY(sgl_ecospec, m) {
   m.def(
       "select_verify_set(Tensor scores, Tensor parents, Tensor node_experts, int budget, "
       "Tensor? root_experts, str policy, float eps, bool share_buffer, "
-      "Tensor? layer_weights) -> Tensor");
+      "Tensor? layer_weights, Tensor? expert_rank=None, int num_ranks=1, "
+      "float total_weight=0.0, float step_tokens=1.0, float step_cost=1.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sgl_ecospec, CPU, m) {

@@ -1,8 +1,9 @@
 // CUDA kernels of the sgl_ecospec ops, registered for the same schemas as the CPU ops.
-// No host syncs and no allocation beyond the outputs and one scratch tensor, so the ops can
-// be captured in a CUDA graph. Value checks (ids in range, parents in range, no NaN) are
-// the Python API's job: here an out-of-range id sets no bit and an out-of-range parent
-// makes its node unreachable.
+// No host syncs and no allocation beyond the outputs and scratch tensors, so the ops can
+// be captured in a CUDA graph. Value checks (ids in range, parents in range, no NaN, EP
+// ranks in range) are the Python API's job: here an out-of-range id sets no bit, an
+// out-of-range parent makes its node unreachable and an expert with an out-of-range rank
+// adds no load.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -15,7 +16,6 @@ namespace sgl_ecospec {
 
 namespace {
 
-constexpr int64_t kWordBits = 64;
 constexpr int kThreads = 256;
 
 template <typename index_t>
@@ -28,7 +28,7 @@ __global__ void topk_to_bitmap_kernel(const index_t* __restrict__ ids, int64_t* 
   for (int64_t w = 0; w < words; ++w) row_out[w] = 0;
   for (int64_t j = 0; j < k; ++j) {
     const int64_t e = static_cast<int64_t>(ids[r * k + j]);
-    if (e >= 0 && e < num_experts) row_out[e / kWordBits] |= uint64_t{1} << (e % kWordBits);
+    if (e >= 0 && e < num_experts) row_out[e / kBitsPerWord] |= uint64_t{1} << (e % kBitsPerWord);
   }
 }
 
@@ -44,28 +44,29 @@ __global__ void popcount_kernel(const uint64_t* __restrict__ in, int64_t* __rest
 struct Best {
   double priority;
   int64_t index;
+  double delta;  // the node's DeltaCost (the adaptive policy adds it to the step's cost)
 };
 
 __device__ Best better_of(Best a, Best b) {
   return is_better(b.priority, b.index, a.priority, a.index) ? b : a;
 }
 
+__device__ Best shuffle_down(Best mine, int offset) {
+  return Best{__shfl_down_sync(0xffffffff, mine.priority, offset),
+              __shfl_down_sync(0xffffffff, mine.index, offset),
+              __shfl_down_sync(0xffffffff, mine.delta, offset)};
+}
+
 // Block-wide argmax with the shared tie rule; every thread gets the result.
 __device__ Best block_best(Best mine, Best* scratch) {
-  for (int offset = 16; offset > 0; offset /= 2) {
-    Best other{__shfl_down_sync(0xffffffff, mine.priority, offset),
-               __shfl_down_sync(0xffffffff, mine.index, offset)};
-    mine = better_of(mine, other);
-  }
+  for (int offset = 16; offset > 0; offset /= 2) mine = better_of(mine, shuffle_down(mine, offset));
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   if (lane == 0) scratch[warp] = mine;
   __syncthreads();
   if (warp == 0) {
-    mine = lane < blockDim.x / 32 ? scratch[lane] : Best{0.0, -1};
+    mine = lane < blockDim.x / 32 ? scratch[lane] : Best{0.0, -1, 0.0};
     for (int offset = 16; offset > 0; offset /= 2) {
-      Best other{__shfl_down_sync(0xffffffff, mine.priority, offset),
-                 __shfl_down_sync(0xffffffff, mine.index, offset)};
-      mine = better_of(mine, other);
+      mine = better_of(mine, shuffle_down(mine, offset));
     }
     if (lane == 0) scratch[0] = mine;
   }
@@ -82,31 +83,93 @@ struct SelectArgs {
   const uint64_t* roots;     // [B, L, W] or nullptr
   const double* weights;     // [L] or nullptr
   uint8_t* selected;         // [B, N] scratch, zeroed by the kernel
+  int32_t* loads;            // [B or 1, L * R + L] scratch with a placement: loads, then peaks
   int64_t* out;              // [B, budget]
   int64_t batch, num_nodes, layers, words, budget;
   Policy policy;
   double eps;
+  Placement placement;
+  double step_tokens, step_cost;
 };
 
-// One step for request b: picks its best frontier node against `buffer` and adds it.
-// Returns false when the request has no node left.
-__device__ bool pick_and_add(const SelectArgs& a, int64_t b, uint64_t* buffer, Best* scratch) {
+// The expert buffer of one request (or of the batch): bitmaps in shared memory, with a
+// placement also its loads per rank and their per-layer peaks in global scratch.
+struct Buffer {
+  uint64_t* experts;  // [L, W]
+  int32_t* loads;     // [L, R]
+  int32_t* peaks;     // [L]
+};
+
+__device__ Buffer buffer_at(const SelectArgs& a, uint64_t* experts, int64_t slot) {
+  const int64_t r = a.placement.num_ranks;
+  int32_t* loads = a.placement.enabled ? a.loads + slot * (a.layers * r + a.layers) : nullptr;
+  return Buffer{experts, loads, loads == nullptr ? nullptr : loads + a.layers * r};
+}
+
+// Counts `fresh` (bits of word j of the bitmaps, not yet in the buffer) into the loads.
+__device__ void count_fresh(const SelectArgs& a, const Buffer& buf, int64_t j, uint64_t fresh) {
+  const int64_t layer = j / a.words, w = j % a.words;
+  for (; fresh != 0; fresh &= fresh - 1) {
+    const int64_t r = rank_of(a.placement, layer, w * kBitsPerWord + lowest_bit(fresh));
+    if (r >= 0) atomicAdd(buf.loads + layer * a.placement.num_ranks + r, 1);
+  }
+}
+
+__device__ void update_peaks(const SelectArgs& a, const Buffer& buf) {
+  const int64_t r = a.placement.num_ranks;
+  for (int64_t l = threadIdx.x; l < a.layers; l += blockDim.x) {
+    int32_t peak = 0;
+    for (int64_t k = 0; k < r; ++k) peak = max(peak, buf.loads[l * r + k]);
+    buf.peaks[l] = peak;
+  }
+  __syncthreads();
+}
+
+// Adds `node` ([L, W]) to the buffer. Ends with the block synchronised.
+__device__ void add_to_buffer(const SelectArgs& a, const Buffer& buf, const uint64_t* node) {
+  for (int64_t j = threadIdx.x; j < a.layers * a.words; j += blockDim.x) {
+    if (a.placement.enabled) count_fresh(a, buf, j, node[j] & ~buf.experts[j]);
+    buf.experts[j] |= node[j];
+  }
+  __syncthreads();
+  if (a.placement.enabled) update_peaks(a, buf);
+}
+
+// Seeds an empty buffer (its bitmaps already zeroed) with `roots` ([L, W]).
+__device__ void seed_buffer(const SelectArgs& a, const Buffer& buf, const uint64_t* roots) {
+  if (a.placement.enabled) {
+    for (int64_t k = threadIdx.x; k < a.layers * (a.placement.num_ranks + 1); k += blockDim.x) {
+      buf.loads[k] = 0;  // loads and peaks are contiguous
+    }
+  }
+  __syncthreads();
+  add_to_buffer(a, buf, roots);
+}
+
+// One turn of request b: picks its best frontier node against the buffer and takes it,
+// unless the adaptive policy finds that it lowers the step's tokens per cost (`tokens`,
+// `cost`: the step's account, the same in every thread). False when nothing was taken.
+__device__ bool take_turn(const SelectArgs& a, int64_t b, const Buffer& buf, Best* scratch,
+                          double* tokens, double* cost) {
   const int64_t n = a.num_nodes, lw = a.layers * a.words;
   uint8_t* selected = a.selected + b * n;
-  Best mine{0.0, -1};
+  Best mine{0.0, -1, 0.0};
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
     if (!is_available(selected, a.parents + b * n, i, n)) continue;
-    const double priority = node_priority(a.policy, a.prob[b * n + i],
-                                          a.experts + (b * n + i) * lw, buffer, a.layers,
-                                          a.words, a.weights, a.eps);
-    mine = better_of(mine, Best{priority, i});
+    const double delta = a.policy == Policy::kConfidence
+                             ? 0.0
+                             : delta_cost(a.experts + (b * n + i) * lw, buf.experts, a.layers,
+                                          a.words, a.weights, a.placement, buf.loads, buf.peaks);
+    mine = better_of(mine, Best{node_priority(a.policy, a.prob[b * n + i], delta, a.eps), i, delta});
   }
   const Best best = block_best(mine, scratch);
   if (best.index < 0) return false;
-  if (a.policy == Policy::kEcoSpec) {
-    const uint64_t* node = a.experts + (b * n + best.index) * lw;
-    for (int64_t j = threadIdx.x; j < lw; j += blockDim.x) buffer[j] |= node[j];
+  if (a.policy == Policy::kAdaptive) {
+    if (!raises_throughput(best.priority, *tokens, *cost)) return false;
+    *tokens = add_rn(*tokens, a.prob[b * n + best.index]);
+    *cost = add_rn(*cost, add_rn(best.delta, a.eps));
   }
+  if (a.policy != Policy::kConfidence) add_to_buffer(a, buf, a.experts + (b * n + best.index) * lw);
   if (threadIdx.x == 0) selected[best.index] = 1;
   __syncthreads();
   return true;
@@ -128,36 +191,39 @@ __device__ void init_request(const SelectArgs& a, int64_t b) {
   }
 }
 
-// Grid: one block per request; the buffer lives in shared memory.
+// Grid: one block per request; the buffer's bitmaps live in shared memory.
 __global__ void select_per_request_kernel(SelectArgs a) {
-  extern __shared__ uint64_t buffer[];
+  extern __shared__ uint64_t bitmaps[];
   __shared__ Best scratch[kThreads / 32];
   const int64_t b = blockIdx.x, lw = a.layers * a.words;
-  for (int64_t j = threadIdx.x; j < lw; j += blockDim.x) {
-    buffer[j] = a.roots == nullptr ? 0 : a.roots[b * lw + j];
-  }
+  for (int64_t j = threadIdx.x; j < lw; j += blockDim.x) bitmaps[j] = 0;
   init_request(a, b);
-  __syncthreads();
+  const Buffer buf = buffer_at(a, bitmaps, b);
+  seed_buffer(a, buf, a.roots == nullptr ? bitmaps : a.roots + b * lw);
+  double tokens = a.step_tokens, cost = a.step_cost;
+  // A request that takes nothing this turn never will: its state did not change.
   for (int64_t step = 0; step < a.budget; ++step) {
-    if (!pick_and_add(a, b, buffer, scratch)) break;
+    if (!take_turn(a, b, buf, scratch, &tokens, &cost)) break;
   }
   write_row(a, b);
 }
 
-// Grid: one block for the batch; one buffer seeded with every root; requests pick in turns.
+// Grid: one block for the batch; one buffer seeded with every root and one account for
+// the step; requests take turns.
 __global__ void select_shared_kernel(SelectArgs a) {
-  extern __shared__ uint64_t buffer[];
+  extern __shared__ uint64_t bitmaps[];
   __shared__ Best scratch[kThreads / 32];
   const int64_t lw = a.layers * a.words;
-  for (int64_t j = threadIdx.x; j < lw; j += blockDim.x) {
-    uint64_t word = 0;
-    for (int64_t b = 0; a.roots != nullptr && b < a.batch; ++b) word |= a.roots[b * lw + j];
-    buffer[j] = word;
-  }
+  for (int64_t j = threadIdx.x; j < lw; j += blockDim.x) bitmaps[j] = 0;
   for (int64_t b = 0; b < a.batch; ++b) init_request(a, b);
-  __syncthreads();
+  const Buffer buf = buffer_at(a, bitmaps, 0);
+  // Zeroes the loads, then adds the roots one request at a time (each add synchronises).
+  seed_buffer(a, buf, bitmaps);
+  for (int64_t b = 0; a.roots != nullptr && b < a.batch; ++b) add_to_buffer(a, buf, a.roots + b * lw);
+  const double requests = static_cast<double>(a.batch);
+  double tokens = mul_rn(a.step_tokens, requests), cost = mul_rn(a.step_cost, requests);
   for (int64_t step = 0; step < a.budget; ++step) {
-    for (int64_t b = 0; b < a.batch; ++b) pick_and_add(a, b, buffer, scratch);
+    for (int64_t b = 0; b < a.batch; ++b) take_turn(a, b, buf, scratch, &tokens, &cost);
   }
   for (int64_t b = 0; b < a.batch; ++b) write_row(a, b);
 }
@@ -171,7 +237,7 @@ at::Tensor topk_to_bitmap_cuda(const at::Tensor& topk_ids, int64_t num_experts) 
   TORCH_CHECK(num_experts >= 1, "topk_to_bitmap: num_experts must be >= 1");
   const c10::cuda::CUDAGuard guard(topk_ids.device());
   const at::Tensor ids = topk_ids.contiguous();
-  const int64_t k = ids.size(-1), words = (num_experts + kWordBits - 1) / kWordBits;
+  const int64_t k = ids.size(-1), words = (num_experts + kBitsPerWord - 1) / kBitsPerWord;
   auto shape = ids.sizes().vec();
   shape.back() = words;
   at::Tensor out = at::empty(shape, ids.options().dtype(at::kLong));
@@ -212,15 +278,19 @@ at::Tensor select_verify_set_cuda(const at::Tensor& scores, const at::Tensor& pa
                                   const at::Tensor& node_experts, int64_t budget,
                                   const std::optional<at::Tensor>& root_experts,
                                   const std::string& policy, double eps, bool share_buffer,
-                                  const std::optional<at::Tensor>& layer_weights) {
+                                  const std::optional<at::Tensor>& layer_weights,
+                                  const std::optional<at::Tensor>& expert_rank, int64_t num_ranks,
+                                  double total_weight, double step_tokens, double step_cost) {
   TORCH_CHECK(scores.dim() == 2 && parents.sizes() == scores.sizes(),
               "select_verify_set: scores and parents must be [B, N]");
   TORCH_CHECK(node_experts.dim() == 4 && node_experts.scalar_type() == at::kLong &&
                   node_experts.size(0) == scores.size(0) && node_experts.size(1) == scores.size(1),
               "select_verify_set: node_experts must be int64 [B, N, L, W]");
   TORCH_CHECK(budget >= 0 && eps > 0, "select_verify_set: need budget >= 0 and eps > 0");
-  TORCH_CHECK(policy == "confidence" || policy == "ecospec",
+  TORCH_CHECK(policy == "confidence" || policy == "ecospec" || policy == "adaptive",
               "select_verify_set: unknown policy ", policy);
+  TORCH_CHECK(step_tokens >= 0 && step_cost > 0,
+              "select_verify_set: need step_tokens >= 0 and step_cost > 0");
   const c10::cuda::CUDAGuard guard(scores.device());
   const int64_t batch = scores.size(0), n = scores.size(1);
   const int64_t layers = node_experts.size(2), words = node_experts.size(3);
@@ -231,7 +301,7 @@ at::Tensor select_verify_set_cuda(const at::Tensor& scores, const at::Tensor& pa
   const at::Tensor prob = scores.to(at::kDouble).contiguous();
   const at::Tensor par = parents.to(at::kLong).contiguous();
   const at::Tensor experts = node_experts.contiguous();
-  at::Tensor roots, weights;
+  at::Tensor roots, weights, ranks;
   if (root_experts.has_value()) {
     TORCH_CHECK(root_experts->dim() == 3 && root_experts->size(0) == batch &&
                     root_experts->size(1) == layers && root_experts->size(2) == words,
@@ -243,9 +313,29 @@ at::Tensor select_verify_set_cuda(const at::Tensor& scores, const at::Tensor& pa
                 "select_verify_set: layer_weights must be [L]");
     weights = layer_weights->to(at::kDouble).contiguous();
   }
+  Placement placement{false, nullptr, 0, 0, 1, 0.0};
+  if (expert_rank.has_value()) {
+    TORCH_CHECK(expert_rank->dim() == 1 || (expert_rank->dim() == 2 && expert_rank->size(0) == layers),
+                "select_verify_set: expert_rank must be [E] or [L, E]");
+    const int64_t num_experts = expert_rank->size(-1);
+    TORCH_CHECK((num_experts + kBitsPerWord - 1) / kBitsPerWord == words,
+                "select_verify_set: expert_rank has E = ", num_experts,
+                " experts, so node_experts needs ceil(E / 64) words per layer, got ", words);
+    TORCH_CHECK(num_ranks >= 1 && total_weight >= 0 && total_weight <= 1,
+                "select_verify_set: need num_ranks >= 1 and total_weight in [0, 1]");
+    ranks = expert_rank->to(at::kLong).contiguous();
+    placement = Placement{true, ranks.data_ptr<int64_t>(), ranks.dim() == 2 ? num_experts : 0,
+                          num_experts, num_ranks, total_weight};
+  }
   at::Tensor out = at::empty({batch, budget}, par.options());
   if (batch == 0) return out;
   at::Tensor selected = at::empty({batch, std::max<int64_t>(n, 1)}, par.options().dtype(at::kByte));
+  // Rank loads and per-layer peaks of each buffer: one per request, or one for the batch.
+  at::Tensor loads;
+  if (placement.enabled) {
+    loads = at::empty({share_buffer ? 1 : batch, std::max<int64_t>(layers * (num_ranks + 1), 1)},
+                      par.options().dtype(at::kInt));
+  }
 
   SelectArgs args{prob.data_ptr<double>(),
                   par.data_ptr<int64_t>(),
@@ -254,14 +344,20 @@ at::Tensor select_verify_set_cuda(const at::Tensor& scores, const at::Tensor& pa
                                   : nullptr,
                   weights.defined() ? weights.data_ptr<double>() : nullptr,
                   selected.data_ptr<uint8_t>(),
+                  loads.defined() ? loads.data_ptr<int32_t>() : nullptr,
                   out.data_ptr<int64_t>(),
                   batch,
                   n,
                   layers,
                   words,
                   budget,
-                  policy == "ecospec" ? Policy::kEcoSpec : Policy::kConfidence,
-                  eps};
+                  policy == "confidence" ? Policy::kConfidence
+                  : policy == "ecospec"  ? Policy::kEcoSpec
+                                         : Policy::kAdaptive,
+                  eps,
+                  placement,
+                  step_tokens,
+                  step_cost};
   auto stream = c10::cuda::getCurrentCUDAStream();
   if (share_buffer) {
     select_shared_kernel<<<1, kThreads, smem, stream>>>(args);

@@ -1,10 +1,11 @@
 """Choosing the verify set: which draft-tree candidates the target verifies in one pass.
 
 Shape legend: B = requests in the batch, N = candidate nodes per request, L = MoE layers,
-W = int64 words per layer bitmap (ceil(E / 64)), budget = nodes verified per request
-(the root / bonus token is verified anyway and is not a candidate).
+E = experts per layer, W = int64 words per layer bitmap (ceil(E / 64)), R = expert-parallel
+(EP) ranks, budget = nodes verified per request (the root / bonus token is verified anyway
+and is not a candidate).
 
-Both policies grow an ancestor-closed set one node at a time from the frontier (nodes whose
+Every policy grows an ancestor-closed set one node at a time from the frontier (nodes whose
 parent is the root or already selected):
 
 - "confidence": the frontier node with the highest score. On trees whose scores never rise
@@ -14,9 +15,17 @@ parent is the root or already selected):
   the number of the node's predicted experts not yet in the expert buffer, summed over
   layers (each layer weighted by ``layer_weights`` when given); the buffer starts with the
   root experts and takes each selected node's experts.
+- "adaptive": "ecospec"'s choice, but a node is taken only while its gain per cost
+  P / (DeltaCost + eps) is at least the step's tokens per cost so far,
+  (step_tokens + sum P) / (step_cost + sum (DeltaCost + eps)): adding a node below that
+  rate would lower the step's throughput, so the set stops short of ``budget``.
 
-Ties go to the lowest node index. When fewer than ``budget`` nodes are reachable, the
-output row ends with -1 padding.
+With ``expert_rank`` (expert parallelism) DeltaCost is the rise of the busiest rank's
+expert count, per layer, plus ``total_weight`` times the rise of the other ranks' counts
+(docs/selection.md).
+
+Ties go to the lowest node index. When fewer than ``budget`` nodes are taken, the output
+row ends with -1 padding.
 """
 
 import math
@@ -31,9 +40,9 @@ from sgl_ecospec._checks import (
     check_shape,
     check_tensor,
 )
-from sgl_ecospec.bitmaps import bitmap_popcount_reference
+from sgl_ecospec.bitmaps import WORD_BITS, bitmap_popcount_reference, num_words
 
-POLICIES = ("confidence", "ecospec")
+POLICIES = ("confidence", "ecospec", "adaptive")
 DEFAULT_EPS = 0.1
 _SCORE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -49,10 +58,15 @@ def select_verify_set(
     eps: float = DEFAULT_EPS,
     share_buffer: bool = False,
     layer_weights: torch.Tensor | None = None,
+    expert_rank: torch.Tensor | None = None,
+    num_ranks: int | None = None,
+    total_weight: float | None = None,
+    step_tokens: float = 1.0,
+    step_cost: float | None = None,
     validate: bool = True,
     impl: str = "auto",
 ) -> torch.Tensor:
-    """Selects ``budget`` candidates per request for the verify pass.
+    """Selects up to ``budget`` candidates per request for the verify pass.
 
     Args:
         scores: float, shape ``[B, N]``: cumulative draft probability of each candidate
@@ -60,27 +74,49 @@ def select_verify_set(
         parents: int32 or int64, shape ``[B, N]``: index in [0, N) of each candidate's
             parent, or -1 for a child of the root. Must form a forest (no cycles).
         node_experts: int64, shape ``[B, N, L, W]``: predicted expert bitmaps per candidate.
-        budget: candidates to select per request (>= 0).
+        budget: candidates to select per request (>= 0); "adaptive" may take fewer.
         root_experts: int64, shape ``[B, L, W]``, or None (empty): experts the verify pass
             loads anyway (each request's root token).
-        policy: "confidence" or "ecospec".
-        eps: > 0, added to DeltaCost so fully covered nodes keep a finite score.
+        policy: "confidence", "ecospec" or "adaptive".
+        eps: > 0, added to DeltaCost so fully covered nodes keep a finite score. In units
+            of one expert load in one layer: ``costmodel.selection_cost`` derives it.
         share_buffer: one buffer for the whole batch, seeded with every request's root
             experts; requests then pick one node each in turn (request 0 first), so every
-            request gets its budget. Only "ecospec" reads the buffer.
+            request gets its budget. Only "ecospec" and "adaptive" read the buffer;
+            "adaptive" then keeps one account for the whole step.
         layer_weights: float, shape ``[L]``, >= 0, or None (all ones).
-        validate: check values (NaN or negative scores, parents out of range, cycles);
-            costs host syncs on GPU. Shapes and dtypes are always checked.
+        expert_rank: int32 or int64, shape ``[E]`` (every layer) or ``[L, E]``, or None:
+            the EP rank in [0, R) that holds each (logical) expert, one replica each
+            (``sgl_ecospec.placement.expert_rank_map`` builds it from SGLang's expert
+            location metadata). With it DeltaCost is the expert-parallel cost.
+        num_ranks: R (>= 1), or None for ``expert_rank.max() + 1`` (a host sync on GPU).
+            Only with ``expert_rank``.
+        total_weight: in [0, 1], weight of the experts off the busiest rank (0: the busiest
+            rank only; 1: every expert alike, i.e. plain "ecospec"); None for 1 / R. Only
+            with ``expert_rank``.
+        step_tokens: >= 0, expected tokens one request's step yields before any candidate
+            (1: the bonus token). Only "adaptive" reads it.
+        step_cost: > 0, one request's share of the step's predicted cost before any
+            candidate (drafting, the verify pass over the roots, accept/reject), in the
+            units of eps. Required by "adaptive", ignored by the other policies. With
+            ``share_buffer`` the step's account starts at B x step_tokens and B x step_cost.
+        validate: check values (NaN or negative scores, parents out of range, cycles, ranks
+            out of range); costs host syncs on GPU. Shapes and dtypes are always checked.
         impl: "auto" (compiled op when built), "native" or "reference".
 
     Returns:
         int64, shape ``[B, budget]``: selected candidate indices, ascending, every selected
-        node's parent selected or the root; rows with fewer reachable nodes than
-        ``budget`` end with -1.
+        node's parent selected or the root; rows with fewer selected nodes than ``budget``
+        end with -1.
     """
     _check_inputs(scores, parents, node_experts, budget, root_experts, policy, eps, layer_weights)
+    placement = _check_placement(node_experts, expert_rank, num_ranks, total_weight)
+    step_tokens, step_cost = _check_step(policy, step_tokens, step_cost)
     if validate:
         _check_values(scores, parents)
+        if expert_rank is not None:
+            _check_ranks(expert_rank, placement[0])
+    num_ranks, total_weight = placement
     if _native.use_native(impl, "select_verify_set", scores.device):
         return _native.ops().select_verify_set(
             scores.contiguous(),
@@ -92,6 +128,11 @@ def select_verify_set(
             float(eps),
             bool(share_buffer),
             None if layer_weights is None else layer_weights.contiguous(),
+            None if expert_rank is None else expert_rank.contiguous(),
+            num_ranks,
+            total_weight,
+            step_tokens,
+            step_cost,
         )
     return select_verify_set_reference(
         scores,
@@ -103,6 +144,11 @@ def select_verify_set(
         eps=eps,
         share_buffer=share_buffer,
         layer_weights=layer_weights,
+        expert_rank=expert_rank,
+        num_ranks=num_ranks,
+        total_weight=total_weight,
+        step_tokens=step_tokens,
+        step_cost=step_cost,
     )
 
 
@@ -136,10 +182,82 @@ def _check_inputs(scores, parents, node_experts, budget, root_experts, policy, e
     check_int("budget", budget)
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
-    if not (math.isfinite(eps) and eps > 0):
+    _check_float("eps", eps)
+    if not eps > 0:
         raise ValueError(f"eps must be finite and > 0, got {eps}")
+
+
+def _check_float(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)
+
+
+def _check_placement(node_experts, expert_rank, num_ranks, total_weight) -> tuple[int, float]:
+    """Checks the EP arguments; returns (R, total_weight) with the defaults filled in
+    ((1, 0.0) without ``expert_rank``)."""
+    if expert_rank is None:
+        for name, value in (("num_ranks", num_ranks), ("total_weight", total_weight)):
+            if value is not None:
+                raise ValueError(f"{name} needs expert_rank (the expert -> EP rank placement)")
+        return 1, 0.0
+    check_tensor("expert_rank", expert_rank, dtypes=INDEX_DTYPES)
+    layers, words = node_experts.shape[2:]
+    if expert_rank.dim() not in (1, 2) or (
+        expert_rank.dim() == 2 and expert_rank.shape[0] != layers
+    ):
+        raise ValueError(
+            f"expert_rank must have shape [E] or [L, E] = [{layers}, E], "
+            f"got {tuple(expert_rank.shape)}"
+        )
+    num_experts = expert_rank.shape[-1]
+    if num_words(num_experts) != words:
+        raise ValueError(
+            f"expert_rank covers E = {num_experts} experts, so node_experts needs "
+            f"W = ceil(E / 64) = {num_words(num_experts)} words per layer, got W = {words}"
+        )
+    check_same_device(node_experts=node_experts, expert_rank=expert_rank)
+    if num_ranks is None:
+        num_ranks = int(expert_rank.max()) + 1 if expert_rank.numel() else 1
+        num_ranks = max(num_ranks, 1)
+    check_int("num_ranks", num_ranks, minimum=1)
+    if total_weight is None:
+        total_weight = 1.0 / num_ranks
+    total_weight = _check_float("total_weight", total_weight)
+    if not 0 <= total_weight <= 1:
+        raise ValueError(f"total_weight must lie in [0, 1], got {total_weight}")
+    return num_ranks, total_weight
+
+
+def _check_ranks(expert_rank: torch.Tensor, num_ranks: int) -> None:
+    bad = (expert_rank < 0) | (expert_rank >= num_ranks)
+    if bool(bad.any()):
+        where = tuple(int(x) for x in bad.nonzero()[0])
+        raise ValueError(
+            f"expert_rank{list(where)} = {int(expert_rank[where])} is outside "
+            f"[0, num_ranks={num_ranks})"
+        )
+
+
+def _check_step(policy: str, step_tokens, step_cost) -> tuple[float, float]:
+    """Checks the adaptive policy's account; returns (step_tokens, step_cost), with
+    step_cost 1.0 (unused) for the other policies when not given."""
+    step_tokens = _check_float("step_tokens", step_tokens)
+    if step_tokens < 0:
+        raise ValueError(f"step_tokens must be >= 0, got {step_tokens}")
+    if step_cost is None:
+        if policy == "adaptive":
+            raise ValueError(
+                "policy 'adaptive' needs step_cost: the step's cost per request before any "
+                "candidate, in expert loads (sgl_ecospec.costmodel.selection_cost gives it)"
+            )
+        return step_tokens, 1.0
+    step_cost = _check_float("step_cost", step_cost)
+    if not step_cost > 0:
+        raise ValueError(f"step_cost must be > 0, got {step_cost}")
+    return step_tokens, step_cost
 
 
 def _check_values(scores: torch.Tensor, parents: torch.Tensor):
@@ -190,17 +308,32 @@ def select_verify_set_reference(
     eps: float = DEFAULT_EPS,
     share_buffer: bool = False,
     layer_weights: torch.Tensor | None = None,
+    expert_rank: torch.Tensor | None = None,
+    num_ranks: int | None = None,
+    total_weight: float | None = None,
+    step_tokens: float = 1.0,
+    step_cost: float = 1.0,
 ) -> torch.Tensor:
-    """Plain PyTorch version of :func:`select_verify_set` (same arguments, no validation).
+    """Plain PyTorch version of :func:`select_verify_set` (same arguments, no validation;
+    ``num_ranks`` and ``total_weight`` default as there).
 
     Vectorised over requests; one loop iteration per selected node (and per request in
-    turn with ``share_buffer``).
+    turn with ``share_buffer``). With ``expert_rank`` the rank loads are recounted from the
+    buffer at every step rather than kept up to date, as the native ops do.
     """
     batch, num_nodes = scores.shape
     device = scores.device
     prob = scores.double()
     parents = parents.long()
     weights = None if layer_weights is None else layer_weights.double()
+    placement = None
+    if expert_rank is not None:
+        layers, num_experts = node_experts.shape[2], expert_rank.shape[-1]
+        if num_ranks is None:
+            num_ranks = max(int(expert_rank.max()) + 1 if expert_rank.numel() else 1, 1)
+        if total_weight is None:
+            total_weight = 1.0 / num_ranks
+        placement = (expert_rank.long().expand(layers, num_experts), num_ranks, total_weight)
     buffer = (
         torch.zeros((batch, *node_experts.shape[2:]), dtype=torch.int64, device=device)
         if root_experts is None
@@ -209,6 +342,12 @@ def select_verify_set_reference(
     if share_buffer:
         buffer = _or_reduce(buffer)[None].expand_as(buffer).clone()
     selected = torch.zeros((batch, num_nodes), dtype=torch.bool, device=device)
+    # The adaptive policy's account: expected tokens and predicted cost of the step so far,
+    # per request, or one for the batch with share_buffer.
+    accounts = 1 if share_buffer else batch
+    requests = batch if share_buffer else 1
+    tokens = torch.full((accounts,), step_tokens * requests, dtype=torch.float64, device=device)
+    cost = torch.full((accounts,), step_cost * requests, dtype=torch.float64, device=device)
 
     def pick(rows: torch.Tensor) -> None:
         sel = selected[rows]
@@ -217,15 +356,21 @@ def select_verify_set_reference(
         if policy == "confidence":
             priority = prob[rows]
         else:
-            missing = node_experts[rows] & ~buffer[rows][:, None]
-            delta = _weighted_layer_sum(bitmap_popcount_reference(missing), weights)
+            delta = _delta_cost(node_experts[rows], buffer[rows], weights, placement)
             priority = prob[rows] / (delta + eps)
         priority = priority.masked_fill(~available, -math.inf)
         best = priority.argmax(1) if num_nodes else torch.zeros_like(rows)
-        found = available.any(1)
-        chosen_rows, chosen = rows[found], best[found]
+        take = available.any(1)
+        if policy == "adaptive" and num_nodes:
+            account = torch.zeros_like(rows) if share_buffer else rows
+            best_priority = priority.gather(1, best[:, None])[:, 0]
+            take &= best_priority >= tokens[account] / cost[account]
+            taken = account[take]
+            tokens[taken] += prob[rows[take], best[take]]
+            cost[taken] += delta[take, best[take]] + eps
+        chosen_rows, chosen = rows[take], best[take]
         selected[chosen_rows, chosen] = True
-        if policy == "ecospec" and chosen.numel():
+        if policy != "confidence" and chosen.numel():
             gained = node_experts[chosen_rows, chosen]
             if share_buffer:
                 buffer[:] = buffer[0] | _or_reduce(gained)
@@ -242,14 +387,58 @@ def select_verify_set_reference(
     return _selected_to_indices(selected, budget)
 
 
+def _delta_cost(
+    node_experts: torch.Tensor,
+    buffer: torch.Tensor,
+    weights: torch.Tensor | None,
+    placement: tuple[torch.Tensor, int, float] | None,
+) -> torch.Tensor:
+    """DeltaCost of every candidate: float64 ``[B', N]`` from ``node_experts [B', N, L, W]``
+    and ``buffer [B', L, W]``; ``placement`` = (rank int64 ``[L, E]``, R, total_weight)."""
+    missing = node_experts & ~buffer[:, None]
+    if placement is None:
+        return _weighted_layer_sum(bitmap_popcount_reference(missing), weights)
+    rank, num_ranks, total_weight = placement
+    num_experts = rank.shape[-1]
+    loads = _rank_loads(_unpack_bits(buffer, num_experts), rank, num_ranks)  # [B', L, R]
+    fresh = _unpack_bits(missing, num_experts)  # [B', N, L, E]
+    fresh_loads = _rank_loads(fresh, rank, num_ranks)  # [B', N, L, R]
+    # Rise of the busiest rank, per layer; the new peak can only be at or above the old.
+    rise = (loads[:, None] + fresh_loads).amax(-1) - loads.amax(-1)[:, None]  # [B', N, L]
+    added = fresh.sum(-1)
+    per_layer = rise.double() + total_weight * (added - rise).double()
+    return _layer_sum(per_layer, weights)
+
+
+def _unpack_bits(bitmaps: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 ``[..., W]`` -> bool ``[..., E]``: bit e of the layer (bits >= E dropped)."""
+    shifts = torch.arange(WORD_BITS, device=bitmaps.device)
+    bits = (bitmaps[..., None] >> shifts) & 1  # arithmetic shift: the & 1 still reads bit k
+    return bits.flatten(-2)[..., :num_experts].bool()
+
+
+def _rank_loads(bits: torch.Tensor, rank: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """Experts set per rank: bool ``[..., L, E]`` with rank ``[L, E]`` -> int64 ``[..., L, R]``."""
+    out = torch.zeros((*bits.shape[:-1], num_ranks), dtype=torch.int64, device=bits.device)
+    return out.scatter_add_(-1, rank.expand(bits.shape), bits.long())
+
+
 def _weighted_layer_sum(counts: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     """``[..., L]`` int64 -> ``[...]`` float64, summed over layers in order (as the C++ op)."""
     if weights is None:
         return counts.sum(-1).double()
-    if counts.shape[-1] == 0:
-        return counts.sum(-1).double()
+    return _layer_sum(counts.double(), weights)
+
+
+def _layer_sum(values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """``[..., L]`` float64, times ``weights`` ``[L]`` when given, summed over layers in
+    order (as the C++ op)."""
+    if weights is not None:
+        values = values * weights
+    if values.shape[-1] == 0:
+        return values.sum(-1)
     # cumsum adds left to right, the same order as the native loop, so the floats agree.
-    return (counts.double() * weights).cumsum(-1)[..., -1]
+    return values.cumsum(-1)[..., -1]
 
 
 def _or_reduce(bitmaps: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,18 @@ def test_bitmaps_on_gpu_match_reference(num_experts):
 
 @requires_gpu
 @pytest.mark.parametrize("share_buffer", [False, True])
-@pytest.mark.parametrize("policy", ["confidence", "ecospec"])
+@pytest.mark.parametrize(
+    "policy, ranks",
+    [
+        ("confidence", None),
+        ("ecospec", None),
+        ("ecospec", 8),  # expert parallelism, a map per layer
+        ("ecospec", 1),  # one rank: plain EcoSpec's choice
+        ("ecospec", 300),  # more ranks than experts
+        ("adaptive", None),
+        ("adaptive", 4),
+    ],
+)
 @pytest.mark.parametrize(
     "batch, nodes, layers, experts, budget, tie_levels, weighted",
     [
@@ -63,7 +74,7 @@ def test_bitmaps_on_gpu_match_reference(num_experts):
     ],
 )
 def test_selection_on_gpu_matches_reference(
-    share_buffer, policy, batch, nodes, layers, experts, budget, tie_levels, weighted
+    share_buffer, policy, ranks, batch, nodes, layers, experts, budget, tie_levels, weighted
 ):
     tree = random_draft_tree(batch, nodes, layers, experts, 8, seed=nodes, tie_levels=tie_levels)
     weights = torch.rand(layers) if weighted else None
@@ -73,6 +84,13 @@ def test_selection_on_gpu_matches_reference(
         share_buffer=share_buffer,
         layer_weights=weights,
     )
+    if ranks is not None:
+        gen = torch.Generator().manual_seed(ranks)
+        kwargs["expert_rank"] = torch.randint(0, ranks, (layers, experts), generator=gen)
+        kwargs["num_ranks"] = ranks
+    if policy == "adaptive":
+        # About the cost of a step at these sizes: some rows stop early, some do not.
+        kwargs["step_cost"] = 20.0 * layers
     args = (tree.scores, tree.parents, tree.node_experts, budget)
     expected = select_verify_set_reference(*args, **kwargs)
     on_gpu = {k: v.to(CUDA) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}

@@ -16,6 +16,22 @@ def test_extension_registers_ops():
         assert hasattr(torch.ops.sgl_ecospec, name)
 
 
+@requires_native
+def test_select_op_keeps_its_old_arguments():
+    # Callers of the op written before expert_rank / step_cost still work: the new
+    # arguments have schema defaults (no placement, unit account).
+    import torch
+
+    from sgl_ecospec.synthetic import random_draft_tree
+
+    tree = random_draft_tree(3, 12, 2, 64, 4, seed=2)
+    old = (tree.scores, tree.parents, tree.node_experts, 5, tree.root_experts, "ecospec")
+    out = torch.ops.sgl_ecospec.select_verify_set(*old, 0.1, False, None)
+    full = torch.ops.sgl_ecospec.select_verify_set(*old, 0.1, False, None, None, 1, 0.0, 1.0, 1.0)
+    assert torch.equal(out, full)
+    assert (out >= 0).sum().item() == 15
+
+
 def test_import_without_extension_falls_back_with_a_clear_message():
     # A fresh interpreter in which sgl_ecospec._C cannot be imported.
     script = textwrap.dedent(

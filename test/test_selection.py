@@ -6,9 +6,10 @@ from _util import IMPLS, requires_native
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sgl_ecospec import select_verify_set, topk_to_bitmap
+from sgl_ecospec import has_native, select_verify_set, topk_to_bitmap
 from sgl_ecospec.bitmaps import bitmap_to_ids
-from sgl_ecospec.selection import select_verify_set_reference
+from sgl_ecospec.placement import expert_rank_map
+from sgl_ecospec.selection import DEFAULT_EPS, select_verify_set_reference
 from sgl_ecospec.synthetic import random_draft_tree
 
 
@@ -43,6 +44,11 @@ def python_greedy(
     share_buffer,
     weights,
     num_experts,
+    expert_rank=None,
+    num_ranks=1,
+    total_weight=0.0,
+    step_tokens=1.0,
+    step_cost=1.0,
 ):
     """The selection rule written with Python sets: an independent check of the reference."""
     batch, num_nodes = scores.shape
@@ -67,27 +73,52 @@ def python_greedy(
     if share_buffer:
         union = [set().union(*(roots[b][layer] for b in range(batch))) for layer in range(layers)]
         buffers = [union] * batch
+    rank = None
+    if expert_rank is not None:
+        rank = [
+            [int(r) for r in (expert_rank if expert_rank.dim() == 1 else expert_rank[layer])]
+            for layer in range(layers)
+        ]
+    # The adaptive account: [tokens, cost] per request, or one shared by the batch.
+    requests = batch if share_buffer else 1
+    shared_account = [step_tokens * requests, step_cost * requests]
+    accounts = [shared_account if share_buffer else [step_tokens, step_cost] for _ in range(batch)]
     chosen = [[] for _ in range(batch)]
 
+    def layer_cost(fresh, buffer, layer):
+        if rank is None:
+            return len(fresh)
+        loads = [sum(rank[layer][e] == r for e in buffer) for r in range(num_ranks)]
+        adds = [sum(rank[layer][e] == r for e in fresh) for r in range(num_ranks)]
+        rise = max(a + b for a, b in zip(loads, adds, strict=True)) - max(loads)
+        return rise + total_weight * (len(fresh) - rise)
+
     def pick(b):
-        best, best_priority = -1, None
+        best, best_priority, best_cost = -1, None, 0.0
         for i in range(num_nodes):
             p = int(parents[b, i])
             if i in chosen[b] or (p >= 0 and p not in chosen[b]):
                 continue
-            priority = float(scores[b, i])
-            if policy == "ecospec":
-                missing = [len(sets[b][i][layer] - buffers[b][layer]) for layer in range(layers)]
-                cost = 0.0
+            priority, cost = float(scores[b, i]), 0.0
+            if policy != "confidence":
                 for layer in range(layers):
-                    cost += (1.0 if weights is None else float(weights[layer])) * missing[layer]
+                    fresh = sets[b][i][layer] - buffers[b][layer]
+                    c = layer_cost(fresh, buffers[b][layer], layer)
+                    cost += c if weights is None else float(weights[layer]) * c
                 priority = priority / (cost + eps)
             if best < 0 or priority > best_priority:
-                best, best_priority = i, priority
-        if best >= 0:
-            chosen[b].append(best)
-            for layer in range(layers):
-                buffers[b][layer] |= sets[b][best][layer]
+                best, best_priority, best_cost = i, priority, cost
+        if best < 0:
+            return
+        if policy == "adaptive":
+            account = accounts[b]
+            if best_priority < account[0] / account[1]:
+                return
+            account[0] += float(scores[b, best])
+            account[1] += best_cost + eps
+        chosen[b].append(best)
+        for layer in range(layers):
+            buffers[b][layer] |= sets[b][best][layer]
 
     for _ in range(budget):
         for b in range(batch):
@@ -178,21 +209,47 @@ def test_confidence_is_sglang_organize_draft_results(impl, batch, topk, steps, n
 
 # --- properties ---------------------------------------------------------------------------
 
-tree_cases = st.fixed_dictionaries(
+TREE_CASE_FIELDS = {
+    "batch": st.integers(0, 4),
+    "num_nodes": st.integers(0, 24),
+    "layers": st.integers(0, 4),
+    "num_experts": st.sampled_from([1, 7, 64, 65, 100, 128, 200]),
+    "top_k": st.integers(1, 4),
+    "budget": st.integers(0, 30),
+    "tie_levels": st.sampled_from([0, 2, 5]),
+    "policy": st.sampled_from(["confidence", "ecospec", "adaptive"]),
+    "share_buffer": st.booleans(),
+    "with_root": st.booleans(),
+    "weights": st.sampled_from([None, "ones", "integers", "random"]),
+    "eps": st.sampled_from([1e-3, 0.1, 1.0, 7.5]),
+    # EP placement: none, one map for every layer, or one per layer; R = 300 has more
+    # ranks than experts.
+    "placement": st.sampled_from([None, "shared", "per_layer"]),
+    "num_ranks": st.sampled_from([1, 2, 3, 8, 300]),
+    "total_weight": st.sampled_from([None, 0.0, 0.3, 1.0]),
+    "step_tokens": st.sampled_from([0.0, 1.0, 2.5]),
+    "step_cost": st.sampled_from([0.05, 3.0, 40.0, 1e6]),
+    "seed": st.integers(0, 2**31 - 1),
+}
+tree_cases = st.fixed_dictionaries(TREE_CASE_FIELDS)
+# Trees big enough that the EP cost changes the choice often (most draws of tree_cases
+# are small or single-rank, where it rarely does).
+ep_cases = st.fixed_dictionaries(
     {
-        "batch": st.integers(0, 4),
-        "num_nodes": st.integers(0, 24),
-        "layers": st.integers(0, 4),
-        "num_experts": st.sampled_from([1, 7, 64, 65, 100, 128, 200]),
-        "top_k": st.integers(1, 4),
-        "budget": st.integers(0, 30),
-        "tie_levels": st.sampled_from([0, 2, 5]),
-        "policy": st.sampled_from(["confidence", "ecospec"]),
-        "share_buffer": st.booleans(),
-        "with_root": st.booleans(),
-        "weights": st.sampled_from([None, "ones", "integers", "random"]),
-        "eps": st.sampled_from([1e-3, 0.1, 1.0, 7.5]),
-        "seed": st.integers(0, 2**31 - 1),
+        **TREE_CASE_FIELDS,
+        "batch": st.integers(1, 3),
+        "num_nodes": st.integers(10, 40),
+        "layers": st.integers(1, 5),
+        "num_experts": st.sampled_from([16, 65, 128]),
+        "top_k": st.integers(2, 8),
+        "budget": st.integers(4, 20),
+        "tie_levels": st.just(0),
+        "policy": st.sampled_from(["ecospec", "adaptive"]),
+        "with_root": st.just(True),
+        "eps": st.sampled_from([1e-3, 0.1, 1.0]),
+        "placement": st.sampled_from(["shared", "per_layer"]),
+        "num_ranks": st.sampled_from([2, 3, 4, 8]),
+        "total_weight": st.sampled_from([None, 0.0, 0.3]),
     }
 )
 
@@ -221,29 +278,47 @@ def build_case(case):
         share_buffer=case["share_buffer"],
         layer_weights=weights,
     )
+    if case["placement"] is not None:
+        shape = [case["num_experts"]]
+        if case["placement"] == "per_layer":
+            shape.insert(0, case["layers"])
+        kwargs.update(
+            expert_rank=torch.randint(
+                0, case["num_ranks"], shape, generator=gen, dtype=torch.int32
+            ),
+            num_ranks=case["num_ranks"],
+            total_weight=case["total_weight"],
+        )
+    if case["policy"] == "adaptive":
+        kwargs.update(step_tokens=case["step_tokens"], step_cost=case["step_cost"])
     return (scores, parents, node_experts, case["budget"]), kwargs
 
 
-def assert_valid_selection(out, parents, budget):
+def assert_valid_selection(out, parents, budget, *, full=True):
     batch, num_nodes = parents.shape
     assert out.shape == (batch, budget) and out.dtype == torch.int64
     for b, row in enumerate(out.tolist()):
         chosen = [i for i in row if i >= 0]
         assert row == chosen + [-1] * (budget - len(chosen)), "padding only at the end"
         assert chosen == sorted(set(chosen)), "ascending, no repeats"
-        assert len(chosen) == min(budget, num_nodes), "every reachable node can be chosen"
+        if full:
+            assert len(chosen) == min(budget, num_nodes), "every reachable node can be chosen"
         for i in chosen:
             p = int(parents[b, i])
             assert p == -1 or p in chosen, "ancestor-closed"
 
 
-@settings(max_examples=150, deadline=None)
-@given(case=tree_cases)
-def test_reference_matches_python_sets_and_invariants(case):
-    args, kwargs = build_case(case)
-    out = select_verify_set(*args, impl="reference", **kwargs)
-    assert_valid_selection(out, args[1], args[3])
-    expected = python_greedy(
+def python_greedy_for(case, args, kwargs):
+    """python_greedy on a case of build_case, with the API's defaults filled in."""
+    placement = {}
+    if "expert_rank" in kwargs:
+        total_weight = kwargs["total_weight"]
+        placement = dict(
+            expert_rank=kwargs["expert_rank"],
+            num_ranks=kwargs["num_ranks"],
+            total_weight=1 / kwargs["num_ranks"] if total_weight is None else total_weight,
+        )
+    return python_greedy(
         *args,
         kwargs["root_experts"],
         kwargs["policy"],
@@ -251,8 +326,19 @@ def test_reference_matches_python_sets_and_invariants(case):
         kwargs["share_buffer"],
         kwargs["layer_weights"],
         case["num_experts"],
+        step_tokens=kwargs.get("step_tokens", 1.0),
+        step_cost=kwargs.get("step_cost", 1.0),
+        **placement,
     )
-    assert out.tolist() == expected
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=tree_cases)
+def test_reference_matches_python_sets_and_invariants(case):
+    args, kwargs = build_case(case)
+    out = select_verify_set(*args, impl="reference", **kwargs)
+    assert_valid_selection(out, args[1], args[3], full=case["policy"] != "adaptive")
+    assert out.tolist() == python_greedy_for(case, args, kwargs)
 
 
 @requires_native
@@ -264,13 +350,30 @@ def test_native_matches_reference(case):
     assert torch.equal(select_verify_set(*args, impl="native", **kwargs), expected)
 
 
+@settings(max_examples=60, deadline=None)
+@given(case=ep_cases)
+def test_ep_cost_on_larger_trees(case):
+    args, kwargs = build_case(case)
+    expected = select_verify_set_reference(*args, **kwargs)
+    assert expected.tolist() == python_greedy_for(case, args, kwargs)
+    if has_native():
+        assert torch.equal(select_verify_set(*args, impl="native", **kwargs), expected)
+
+
 @requires_native
 def test_native_matches_reference_at_serving_shapes():
     gen = torch.Generator().manual_seed(0)
     for layers, num_experts, share in [(94, 128, False), (58, 256, True), (8, 64, True)]:
         scores, parents, node_experts, roots = random_tree(gen, 8, 64, layers, num_experts, 8)
-        for policy in ("confidence", "ecospec"):
-            kwargs = dict(root_experts=roots, policy=policy, share_buffer=share)
+        # EP 8 with EPLB-style placement: every layer its own map.
+        rank = torch.randint(0, 8, (layers, num_experts), generator=gen)
+        for policy, placement in [
+            ("confidence", {}),
+            ("ecospec", {}),
+            ("ecospec", dict(expert_rank=rank)),
+            ("adaptive", dict(expert_rank=rank, step_cost=400.0)),
+        ]:
+            kwargs = dict(root_experts=roots, policy=policy, share_buffer=share, **placement)
             expected = select_verify_set_reference(scores, parents, node_experts, 16, **kwargs)
             got = select_verify_set(scores, parents, node_experts, 16, impl="native", **kwargs)
             assert torch.equal(got, expected)
@@ -316,6 +419,256 @@ def test_shared_buffer_gives_every_request_its_budget(impl):
         scores, parents, node_experts, 7, root_experts=roots, share_buffer=True, impl=impl
     )
     assert (out >= 0).sum(1).tolist() == [7] * 6
+
+
+# --- expert parallelism --------------------------------------------------------------------
+
+
+def test_ep_cost_prefers_the_idle_rank(impl):
+    # Two ranks, experts 0-3 on rank 0 and 4-7 on rank 1; the root loads 0 and 1 (rank 0
+    # is the busiest with 2). Node 0 (P = 0.5) adds expert 2: the busiest rank rises to 3.
+    # Node 1 (P = 0.4) adds experts 4 and 5 on the idle rank: the peak stays 2.
+    scores = torch.tensor([[0.5, 0.4]])
+    parents = torch.tensor([[-1, -1]])
+    node_experts = torch.stack([experts([2]), experts([4, 5])])[None]
+    roots = experts([0, 1])[None]
+    rank = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    kwargs = dict(root_experts=roots, eps=0.1, impl=impl)
+    plain = select_verify_set(scores, parents, node_experts, 1, **kwargs)
+    ep = select_verify_set(
+        scores, parents, node_experts, 1, expert_rank=rank, total_weight=0.0, **kwargs
+    )
+    assert plain.tolist() == [[0]]  # 0.5 / 1.1 > 0.4 / 2.1
+    assert ep.tolist() == [[1]]  # 0.4 / 0.1 > 0.5 / 1.1
+    # The total term: node 1 now costs 0 + tw x 2 = 1 and node 0 costs 1 + tw x 0 = 1,
+    # so with tw = 0.5 the higher P wins again.
+    half = select_verify_set(
+        scores, parents, node_experts, 1, expert_rank=rank, total_weight=0.5, **kwargs
+    )
+    assert half.tolist() == [[0]]
+
+
+@pytest.mark.parametrize("total_weight", [None, 0.0, 0.3, 1.0])
+@pytest.mark.parametrize("share_buffer", [False, True])
+@pytest.mark.parametrize("policy", ["ecospec", "adaptive"])
+def test_one_rank_is_plain_ecospec(impl, total_weight, share_buffer, policy):
+    # With R = 1 the busiest rank holds every expert: the rise is the new experts and the
+    # total term (fresh - rise) is 0, so the cost is the plain one bit for bit.
+    gen = torch.Generator().manual_seed(11)
+    scores, parents, node_experts, roots = random_tree(gen, 4, 30, 5, 100, 6)
+    kwargs = dict(
+        root_experts=roots,
+        policy=policy,
+        share_buffer=share_buffer,
+        layer_weights=torch.rand(5, generator=gen),
+        step_cost=200.0,
+        impl=impl,
+    )
+    plain = select_verify_set(scores, parents, node_experts, 12, **kwargs)
+    one_rank = select_verify_set(
+        scores,
+        parents,
+        node_experts,
+        12,
+        expert_rank=torch.zeros(5, 100, dtype=torch.long),
+        total_weight=total_weight,
+        **kwargs,
+    )
+    assert torch.equal(one_rank, plain)
+
+
+def test_total_weight_one_ignores_the_placement(impl):
+    # tw = 1 prices every fresh expert alike, wherever it lives: plain EcoSpec.
+    gen = torch.Generator().manual_seed(12)
+    scores, parents, node_experts, roots = random_tree(gen, 3, 40, 4, 256, 8)
+    rank = torch.randint(0, 8, (4, 256), generator=gen)
+    plain = select_verify_set(scores, parents, node_experts, 10, root_experts=roots, impl=impl)
+    ep = select_verify_set(
+        scores,
+        parents,
+        node_experts,
+        10,
+        root_experts=roots,
+        expert_rank=rank,
+        total_weight=1.0,
+        impl=impl,
+    )
+    assert torch.equal(ep, plain)
+
+
+def test_ep_edge_cases(impl):
+    gen = torch.Generator().manual_seed(13)
+    # E = 65 (not a multiple of 64), more ranks than experts, budget larger than the tree.
+    scores, parents, node_experts, roots = random_tree(gen, 2, 6, 3, 65, 4)
+    rank = torch.randint(0, 200, (65,), generator=gen)
+    out = select_verify_set(
+        scores, parents, node_experts, 9, root_experts=roots, expert_rank=rank, impl=impl
+    )
+    assert_valid_selection(out, parents, 9)
+    assert torch.equal(
+        out,
+        select_verify_set_reference(
+            scores, parents, node_experts, 9, root_experts=roots, expert_rank=rank
+        ),
+    )
+    # Empty frontier, and all-zero probabilities (lowest index first).
+    empty = select_verify_set(
+        torch.zeros(2, 0),
+        torch.zeros(2, 0, dtype=torch.long),
+        torch.zeros(2, 0, 3, 2, dtype=torch.long),
+        2,
+        expert_rank=torch.zeros(100, dtype=torch.long),
+        num_ranks=4,
+        impl=impl,
+    )
+    assert empty.tolist() == [[-1, -1]] * 2
+    zeros = select_verify_set(
+        torch.zeros(1, 5),
+        torch.tensor([[-1, -1, 0, 2, 1]]),
+        node_experts[:1, :5],
+        3,
+        expert_rank=rank,
+        impl=impl,
+    )
+    assert zeros.tolist() == [[0, 1, 2]]
+
+
+@pytest.mark.parametrize("share_buffer", [False, True])
+def test_ep_cost_with_many_fresh_experts_per_layer(share_buffer):
+    # Nodes that add more than 16 experts on more than 16 ranks in one layer: the native
+    # ops' per-rank tally overflows and they count rank by rank instead.
+    gen = torch.Generator().manual_seed(17)
+    scores, parents, node_experts, roots = random_tree(gen, 3, 25, 3, 200, 48)
+    for ranks in (64, 300):
+        rank = torch.randint(0, ranks, (3, 200), generator=gen)
+        kwargs = dict(
+            root_experts=roots, expert_rank=rank, total_weight=0.0, share_buffer=share_buffer
+        )
+        expected = select_verify_set_reference(scores, parents, node_experts, 10, **kwargs)
+        assert expected.tolist() == python_greedy(
+            scores,
+            parents,
+            node_experts,
+            10,
+            roots,
+            "ecospec",
+            DEFAULT_EPS,
+            share_buffer,
+            None,
+            200,
+            expert_rank=rank,
+            num_ranks=ranks,
+            total_weight=0.0,
+        )
+        if has_native():
+            native = select_verify_set(scores, parents, node_experts, 10, impl="native", **kwargs)
+            assert torch.equal(native, expected)
+
+
+def test_num_ranks_defaults_to_the_highest_rank_plus_one(impl):
+    gen = torch.Generator().manual_seed(14)
+    scores, parents, node_experts, roots = random_tree(gen, 2, 20, 3, 64, 4)
+    rank = torch.randint(0, 4, (3, 64), generator=gen)
+    rank[0, 0] = 5
+    kwargs = dict(root_experts=roots, expert_rank=rank, impl=impl)
+    assert torch.equal(
+        select_verify_set(scores, parents, node_experts, 6, **kwargs),
+        select_verify_set(
+            scores, parents, node_experts, 6, num_ranks=6, total_weight=1 / 6, **kwargs
+        ),
+    )
+
+
+def test_expert_rank_map_follows_sglang_layout():
+    from sglang.srt.eplb.expert_location import _compute_gpu_id_of_physical_expert
+
+    gen = torch.Generator().manual_seed(15)
+    # 128 logical experts plus 32 redundant slots over 8 ranks: 20 slots per rank.
+    physical = torch.randint(0, 160, (5, 128), generator=gen)
+    ranks = expert_rank_map(physical, 160, 8)
+    assert ranks.dtype == torch.int64 and ranks.shape == (5, 128)
+    assert ranks.tolist() == [
+        [_compute_gpu_id_of_physical_expert(int(p), 20) for p in row] for row in physical
+    ]
+    with pytest.raises(ValueError, match="multiple of ep_size"):
+        expert_rank_map(physical, 161, 8)
+    with pytest.raises(ValueError, match=r"slot -1, outside \[0, 160\)"):
+        expert_rank_map(torch.tensor([0, -1]), 160, 8)
+
+
+# --- adaptive budget -------------------------------------------------------------------------
+
+
+def test_adaptive_stops_when_the_next_node_lowers_the_rate(impl):
+    # A chain; each node adds one new expert and eps = 1, so priorities are P / 2:
+    # 0.45, 0.25, 0.05. The step starts at 1 token for cost 4 (rate 0.25): node 0 pays
+    # (0.45 >= 0.25) and lifts the rate to 1.9 / 6 = 0.317, which node 1 (0.25) misses.
+    scores = torch.tensor([[0.9, 0.5, 0.1]])
+    parents = torch.tensor([[-1, 0, 1]])
+    node_experts = torch.stack([experts([1]), experts([2]), experts([3])])[None]
+    kwargs = dict(policy="adaptive", eps=1.0, impl=impl)
+    out = select_verify_set(scores, parents, node_experts, 3, step_cost=4.0, **kwargs)
+    assert out.tolist() == [[0, -1, -1]]
+    # A costlier step (rate 1 / 20) makes nodes 0 and 1 pay: (1 + 1.4) / 24 = 0.1 > 0.05.
+    out = select_verify_set(scores, parents, node_experts, 3, step_cost=20.0, **kwargs)
+    assert out.tolist() == [[0, 1, -1]]
+    # A cheap step (rate 1 / 0.5 = 2) verifies nothing: speculation does not pay.
+    out = select_verify_set(scores, parents, node_experts, 3, step_cost=0.5, **kwargs)
+    assert out.tolist() == [[-1, -1, -1]]
+
+
+def test_adaptive_takes_a_prefix_of_ecospec_order(impl):
+    # Adaptive only stops early: per request, its set is EcoSpec's set at a smaller budget,
+    # and a costlier step (lower starting rate) never takes fewer nodes.
+    gen = torch.Generator().manual_seed(16)
+    scores, parents, node_experts, roots = random_tree(gen, 6, 30, 4, 128, 8)
+    rank = torch.randint(0, 4, (128,), generator=gen)
+    previous = torch.zeros(6, dtype=torch.long)
+    for step_cost in (1.0, 30.0, 100.0, 300.0, 1e9):
+        kwargs = dict(root_experts=roots, expert_rank=rank, eps=0.5, impl=impl)
+        out = select_verify_set(
+            scores, parents, node_experts, 12, policy="adaptive", step_cost=step_cost, **kwargs
+        )
+        taken = (out >= 0).sum(1)
+        assert (taken >= previous).all()
+        previous = taken
+        for b in range(6):
+            prefix = select_verify_set(
+                scores[b : b + 1],
+                parents[b : b + 1],
+                node_experts[b : b + 1],
+                int(taken[b]),
+                **{**kwargs, "root_experts": roots[b : b + 1]},
+            )
+            assert out[b, : int(taken[b])].tolist() == prefix[0].tolist()
+    assert previous.tolist() == [12] * 6  # a step with a rate near 0 takes the budget
+
+
+def test_adaptive_with_zero_scores_takes_nothing(impl):
+    out = select_verify_set(
+        torch.zeros(2, 4),
+        torch.full((2, 4), -1),
+        torch.zeros((2, 4, 1, 1), dtype=torch.long),
+        3,
+        policy="adaptive",
+        step_cost=1e9,
+        impl=impl,
+    )
+    assert out.tolist() == [[-1, -1, -1]] * 2
+
+
+def test_adaptive_shared_account_covers_the_batch(impl):
+    # One account for the step: request 0's good node lifts the rate that request 1's
+    # node must meet. Alone, request 1's node (priority 0.3 / 1.1 = 0.27) beats the
+    # starting rate 1 / 4; after request 0 takes P = 0.9, the rate is 2.9 / 9.1 = 0.32.
+    scores = torch.tensor([[0.9], [0.3]])
+    parents = torch.full((2, 1), -1)
+    node_experts = torch.stack([experts([1])[None], experts([2])[None]])
+    kwargs = dict(policy="adaptive", eps=0.1, step_cost=4.0, impl=impl)
+    own = select_verify_set(scores, parents, node_experts, 1, **kwargs)
+    shared = select_verify_set(scores, parents, node_experts, 1, share_buffer=True, **kwargs)
+    assert own.tolist() == [[0], [0]]
+    assert shared.tolist() == [[0], [-1]]
 
 
 # --- edge cases ---------------------------------------------------------------------------
@@ -434,6 +787,34 @@ def test_cycles_are_never_selected_without_validation(impl):
         (dict(layer_weights=torch.tensor([-1.0])), ValueError, "finite and >= 0"),
         (dict(parents=torch.tensor([[-1.0, 0.0]])), TypeError, "parents must have dtype"),
         (dict(impl="gpu"), ValueError, "impl must be one of"),
+        (dict(num_ranks=2), ValueError, "num_ranks needs expert_rank"),
+        (dict(total_weight=0.5), ValueError, "total_weight needs expert_rank"),
+        (dict(expert_rank=torch.zeros(8)), TypeError, "expert_rank must have dtype"),
+        (dict(expert_rank=torch.zeros(2, 8, dtype=torch.long)), ValueError, r"\[E\] or \[L, E\]"),
+        (dict(expert_rank=torch.zeros(65, dtype=torch.long)), ValueError, "W = ceil"),
+        (
+            dict(expert_rank=torch.tensor([0, 1, 2, 3, 0, 1, 2, 3]), num_ranks=3),
+            ValueError,
+            r"expert_rank\[3\] = 3 is outside",
+        ),
+        (
+            dict(expert_rank=torch.zeros(8, dtype=torch.long), num_ranks=0),
+            ValueError,
+            "num_ranks must be >= 1",
+        ),
+        (
+            dict(expert_rank=torch.zeros(8, dtype=torch.long), total_weight=1.5),
+            ValueError,
+            r"total_weight must lie in \[0, 1\]",
+        ),
+        (dict(policy="adaptive"), ValueError, "needs step_cost"),
+        (dict(policy="adaptive", step_cost=0.0), ValueError, "step_cost must be > 0"),
+        (
+            dict(policy="adaptive", step_cost=1.0, step_tokens=-1.0),
+            ValueError,
+            "step_tokens must be >= 0",
+        ),
+        (dict(policy="adaptive", step_cost=math.nan), ValueError, "step_cost must be finite"),
     ],
 )
 def test_bad_arguments(kwargs, error, message):

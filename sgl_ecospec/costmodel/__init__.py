@@ -4,6 +4,8 @@
   expert, roofline transition G, acceptance factor, speedup, target efficiency).
 - ``profiles``: model and hardware numbers.
 - ``performance``: the ten-parameter step-time model, its fit, and a roofline prior.
+- ``selection_cost``: EcoSpec's eps, layer weights and adaptive account from that model,
+  and draft steps per batch-size bucket for SGLang.
 - ``report``: the ``sgl-ecospec costmodel`` command.
 """
 
@@ -34,15 +36,25 @@ from sgl_ecospec.costmodel.profiles import (
     get_model,
     ridge_tokens,
 )
+from sgl_ecospec.costmodel.selection_cost import (
+    EPS_FLOOR,
+    SelectionCost,
+    adaptive_draft_steps,
+    selection_cost,
+    sglang_adaptive_config,
+)
 
 __all__ = [
+    "EPS_FLOOR",
     "FitResult",
     "HardwareProfile",
     "ModelProfile",
     "MoESDParams",
     "PerformanceModel",
+    "SelectionCost",
     "TimingPoint",
     "acceptance_factor",
+    "adaptive_draft_steps",
     "analytic_params",
     "dense_load_time",
     "expected_unique_experts",
@@ -53,6 +65,8 @@ __all__ = [
     "ridge_tokens",
     "roofline_points",
     "roofline_transition",
+    "selection_cost",
+    "sglang_adaptive_config",
     "saturation_threshold",
     "sd_speedup",
     "target_efficiency",

@@ -209,6 +209,26 @@ class PerformanceModel:
         tokens = _check_batch(batch) * formulas.check_gamma(gamma)
         return self._target_time(tokens, unique_experts)
 
+    def token_time(self, tokens, unique_experts=None):
+        """Seconds one more token adds to a target pass over ``tokens`` tokens, with the
+        experts the pass reads held fixed: the compute terms' step
+        k1 (G(t + 1) - G(t)) + k3 (G((t + 1) K / N) - G(t K / N)). The load term k2 N does
+        not move, because a token whose experts are already loaded costs only compute.
+
+        Args:
+            tokens: tokens in the pass, >= 1.
+            unique_experts: distinct experts per layer the pass reads, or None for
+                N(tokens), uniform routing.
+        """
+        tokens = np.asarray(tokens, dtype=np.float64)
+        if np.isnan(tokens).any() or (tokens < 1).any():
+            raise ValueError(f"tokens must be >= 1, got {tokens!r}")
+        if unique_experts is None:
+            n = formulas.expected_unique_experts(tokens, self.model.num_experts, self.model.top_k)
+        else:
+            n = _check_unique_experts(self.model, tokens, unique_experts)
+        return self._target_time(tokens + 1, n) - self._target_time(tokens, n)
+
     def draft_time(self, batch):
         """Seconds of one draft step for ``batch`` requests (>= 1)."""
         return self.params.draft_bias + self.params.draft_k * self._g(_check_batch(batch))
