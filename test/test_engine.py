@@ -5,14 +5,18 @@ an EAGLE-3 head trained for a few seconds on the target's own greedy continuatio
 test prompts, so that drafts are accepted often and every acceptance path is exercised.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from _models import AUX, EXPERTS, LAYERS, TOP_K, VOCAB, tiny_target, train_draft
 
 from sgl_ecospec import select_verify_set
+from sgl_ecospec.bitmaps import bitmap_popcount, bitmap_to_ids
 from sgl_ecospec.engine import OfflineEngine, OracleExpertPredictor, SpecConfig
 from sgl_ecospec.engine.drafter import Drafter
 from sgl_ecospec.engine.kvcache import BatchKVCache
+from sgl_ecospec.engine.stats import rank_loads
 from sgl_ecospec.engine.tree import (
     DraftTree,
     build_verify_tree,
@@ -197,6 +201,117 @@ def test_step_records(setup):
     weights = [s.verified_tokens for s in result.steps]
     overall = sum(s.recall * w for s, w in zip(result.steps, weights, strict=True)) / sum(weights)
     assert result.predictor_recall == pytest.approx(overall)
+
+
+def test_step_records_the_union_bitmap_and_rank_loads(setup, greedy):
+    _, engine = setup
+    result = engine.generate_speculative(PROMPTS, MAX_NEW, SpecConfig(policy="ecospec"))
+    contiguous = torch.arange(EXPERTS) // (EXPERTS // 4)  # 4 ranks, SGLang's block layout
+    every_own_rank = torch.arange(EXPERTS)
+    for step in result.steps + greedy[3].steps:
+        assert step.expert_bitmap.shape == (LAYERS, 1) and step.expert_bitmap.device.type == "cpu"
+        assert bitmap_popcount(step.expert_bitmap).tolist() == step.unique_experts
+        assert step.busiest_rank_experts(torch.zeros(EXPERTS, dtype=torch.long), 1) == (
+            step.unique_experts
+        )
+        assert step.busiest_rank_experts(every_own_rank, EXPERTS) == [1] * LAYERS
+        busiest = step.busiest_rank_experts(contiguous, 4)
+        for layer, (top, union) in enumerate(zip(busiest, step.unique_experts, strict=True)):
+            ids = bitmap_to_ids(step.expert_bitmap[layer], EXPERTS)
+            assert top == max(sum(1 for e in ids if e // 4 == r) for r in range(4))
+            assert -(-union // 4) <= top <= min(union, 4)
+
+
+def test_rank_loads_by_hand():
+    # Layer 0: experts 0, 63 (the sign bit of word 0) and 64; layer 1: experts 1, 2, 3.
+    bitmap = torch.tensor([[1 | (1 << 63) - (1 << 64), 1], [0b1110, 0]])
+    ranks = torch.arange(70) // 35  # rank 0 holds 0-34, rank 1 holds 35-69
+    assert rank_loads(bitmap, ranks, 2).tolist() == [[1, 2], [3, 0]]
+    per_layer = torch.stack([ranks, torch.ones(70, dtype=torch.long)])  # layer 1: all on rank 1
+    assert rank_loads(bitmap, per_layer, 2).tolist() == [[1, 2], [0, 3]]
+    assert rank_loads(bitmap[None], ranks, 3).shape == (1, 2, 3)  # an idle third rank
+    with pytest.raises(ValueError, match="outside|lie in"):
+        rank_loads(bitmap, ranks, 1)
+    with pytest.raises(ValueError, match="bitmaps hold only 128 bits"):
+        rank_loads(bitmap, torch.zeros(200, dtype=torch.long), 1)
+
+
+def test_adaptive_that_cannot_pay_verifies_only_the_roots(setup, greedy):
+    _, engine = setup
+    # The best node's gain per cost is P / eps <= 1 / 10, below the starting rate 1 / 0.01.
+    spec = SpecConfig(policy="adaptive", eps=10.0, step_cost=0.01)
+    result = engine.generate_speculative(PROMPTS, MAX_NEW, spec)
+    assert result.outputs == greedy[3].outputs
+    for step in result.steps:
+        assert step.verified_tokens == step.batch_size
+        assert step.accepted == [0] * step.batch_size
+
+
+@pytest.mark.parametrize("share_buffer", [True, False])
+def test_adaptive_selects_fewer_nodes_losslessly(setup, greedy, share_buffer):
+    _, engine = setup
+    full = SpecConfig(num_draft_tokens=8, policy="ecospec", share_buffer=share_buffer)
+    # A cheap step start: nodes must be worth about as much as the bonus token per cost.
+    spec = dataclasses.replace(full, policy="adaptive", step_cost=2.0)
+    result = engine.generate_speculative(PROMPTS, MAX_NEW, spec)
+    assert result.outputs == greedy[3].outputs
+    verified = [s.verified_tokens / s.batch_size for s in result.steps]
+    assert all(1 <= v <= spec.num_draft_tokens for v in verified)
+    assert min(verified) < spec.num_draft_tokens, "some step should stop short of the budget"
+    assert sum(a for s in result.steps for a in s.accepted) > 0, "and some should draft"
+    assert all(
+        0 <= a <= v - 1
+        for s, v in zip(result.steps, verified, strict=True)
+        for a in s.accepted
+        if s.batch_size == 1
+    )
+
+
+def test_expert_parallel_selection_is_lossless_and_checked(setup, greedy):
+    _, engine = setup
+    ranks = (torch.arange(EXPERTS) // 4).tolist()
+    spec = SpecConfig(policy="ecospec", expert_rank=ranks, num_ranks=4, total_weight=0.25)
+    result = engine.generate_speculative(PROMPTS, MAX_NEW, spec)
+    assert result.outputs == greedy[3].outputs
+    per_layer = SpecConfig(
+        policy="ecospec", expert_rank=[ranks] * LAYERS, layer_weights=[1.0, 2.0, 0.5, 1.0]
+    )
+    assert per_layer.num_ranks == 4
+    assert engine.generate_speculative(PROMPTS, MAX_NEW, per_layer).outputs == greedy[3].outputs
+    with pytest.raises(ValueError, match=r"expert_rank has shape \(8,\)"):
+        engine.generate_speculative(PROMPTS, 2, SpecConfig(expert_rank=[0] * 8))
+    with pytest.raises(ValueError, match=r"expert_rank has shape \(2, 16\)"):
+        engine.generate_speculative(PROMPTS, 2, SpecConfig(expert_rank=[ranks] * 2))
+    with pytest.raises(ValueError, match="layer_weights has 2 entries"):
+        engine.generate_speculative(PROMPTS, 2, SpecConfig(layer_weights=[1.0, 1.0]))
+
+
+def test_spec_config_normalises_and_validates():
+    spec = SpecConfig(expert_rank=torch.tensor([0, 1, 1, 0]), layer_weights=torch.ones(2))
+    assert spec.expert_rank == (0, 1, 1, 0) and spec.num_ranks == 2
+    assert spec.layer_weights == (1.0, 1.0)
+    assert spec == SpecConfig(expert_rank=[0, 1, 1, 0], layer_weights=[1, 1])
+    assert hash(spec) == hash(SpecConfig(expert_rank=(0, 1, 1, 0), layer_weights=(1.0, 1.0)))
+    assert SpecConfig(expert_rank=[0, 0], num_ranks=3).num_ranks == 3
+    bad = [
+        ({"policy": "adaptive"}, "needs step_cost"),
+        ({"policy": "adaptive", "step_cost": 0.0}, "step_cost must be finite and > 0"),
+        ({"step_tokens": -1.0}, "step_tokens must be >= 0"),
+        ({"eps": float("nan")}, "eps must be finite"),
+        ({"num_ranks": 2}, "num_ranks needs expert_rank"),
+        ({"total_weight": 0.5}, "total_weight needs expert_rank"),
+        ({"expert_rank": [0, 2], "num_ranks": 2}, r"lie in \[0, num_ranks=2\)"),
+        ({"expert_rank": [-1, 0]}, r"lie in \[0, num_ranks=1\)"),
+        ({"expert_rank": [0.5, 1.0]}, "must be integers"),
+        ({"expert_rank": []}, "is empty"),
+        ({"expert_rank": [0, 1], "num_ranks": 0}, "num_ranks must be an int >= 1"),
+        ({"expert_rank": [0, 1], "total_weight": 1.5}, r"total_weight must lie in \[0, 1\]"),
+        ({"layer_weights": [1.0, -1.0]}, "finite and >= 0"),
+        ({"layer_weights": []}, "L >= 1 floats"),
+    ]
+    for kwargs, message in bad:
+        with pytest.raises(ValueError, match=message):
+            SpecConfig(**kwargs)
 
 
 def test_bad_arguments(setup):

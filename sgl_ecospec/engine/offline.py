@@ -7,13 +7,16 @@ One speculative step for a batch (all requests in lockstep, as SGLang's worker r
 2. predict: the expert predictor guesses every candidate's and root's top-K experts per MoE
    layer (the oracle first runs the target over the whole tree to learn the truth);
 3. select: ``select_verify_set`` picks num_draft_tokens - 1 ancestor-closed candidates per
-   request (policy "confidence" is SGLang's ``organize_draft_results``);
+   request (policy "confidence" is SGLang's ``organize_draft_results``; "adaptive" may pick
+   fewer, down to none), with the spec's eps, layer weights, EP placement and adaptive
+   account;
 4. verify: one target forward over root + selected rows, tree-masked over the KV cache,
    capturing logits, EAGLE-3 aux states and per-layer routing;
 5. accept: the longest path whose tokens equal the target's argmax, plus the bonus token;
    the target cache keeps exactly the root and the accepted tokens;
 6. record and learn: accepted counts, distinct experts per layer over all verified tokens
-   of the batch, predictor recall on them; the predictor observes their routing;
+   of the batch (and their union bitmap, for per-rank loads), predictor recall on them;
+   the predictor observes their routing;
 7. draft extend: the draft reads the accepted rows' aux states, which seeds the next root.
 
 Shape legend: B = requests, P = longest prompt, T = verify rows, N = candidates, L = MoE
@@ -26,14 +29,14 @@ from collections.abc import Callable
 import torch
 from transformers import AutoTokenizer
 
-from sgl_ecospec.bitmaps import topk_to_bitmap
+from sgl_ecospec.bitmaps import bitmap_popcount, topk_to_bitmap
 from sgl_ecospec.eagle3 import Eagle3Draft
 from sgl_ecospec.engine.config import SpecConfig
 from sgl_ecospec.engine.drafter import Drafter
 from sgl_ecospec.engine.kvcache import BatchKVCache, padded_causal_mask
 from sgl_ecospec.engine.oracle import OracleExpertPredictor
 from sgl_ecospec.engine.requests import Requests
-from sgl_ecospec.engine.stats import GreedyResult, SpecResult, StepStats, unique_experts
+from sgl_ecospec.engine.stats import GreedyResult, SpecResult, StepStats, union_bitmap
 from sgl_ecospec.engine.target import TargetModel
 from sgl_ecospec.engine.tree import DraftTree, build_verify_tree, greedy_accept
 from sgl_ecospec.predictor import ExpertPredictor, OnlineExpertPredictor, topk_recall
@@ -120,14 +123,9 @@ class OfflineEngine:
             )
             cache.commit(torch.zeros(batch, 1, dtype=torch.int64, device=self.device))
             roots = out.logits[:, 0].argmax(-1)
+            routing = out.routing.flatten(0, 1)  # [B, L, K]
             steps.append(
-                StepStats(
-                    batch_size=batch,
-                    verified_tokens=batch,
-                    accepted=[0] * batch,
-                    unique_experts=unique_experts(out.routing.flatten(0, 1), self.num_experts),
-                    request_ids=ids,
-                )
+                _step_stats(routing, self.num_experts, accepted=[0] * batch, request_ids=ids)
             )
             rows = requests.emit(roots[:, None].tolist())
         return GreedyResult(requests.outputs, steps)
@@ -158,6 +156,7 @@ class OfflineEngine:
         """
         if self.draft is None:
             raise ValueError("speculative decoding needs a draft: pass draft_dir to the engine")
+        selection = self._selection_arguments(spec)
         predictor = self._resolve_predictor(predictor)
         requests = Requests(len(prompts), max_new_tokens, self.eos_token_ids)
         if not requests.active:
@@ -179,7 +178,9 @@ class OfflineEngine:
                 cache.select(rows)
                 drafter.select(rows)
                 roots = roots[rows]
-            step, roots, new_tokens = self._speculative_step(spec, predictor, drafter, cache, roots)
+            step, roots, new_tokens = self._speculative_step(
+                spec, selection, predictor, drafter, cache, roots
+            )
             step.request_ids = list(requests.active)
             steps.append(step)
             if progress is not None:
@@ -190,6 +191,7 @@ class OfflineEngine:
     def _speculative_step(
         self,
         spec: SpecConfig,
+        selection: dict,
         predictor: ExpertPredictor,
         drafter: Drafter,
         cache: BatchKVCache,
@@ -198,6 +200,8 @@ class OfflineEngine:
         """Draft, select, verify, accept, record, learn and draft-extend once.
 
         Args:
+            selection: the keyword arguments of ``select_verify_set`` that come from
+                ``spec`` (``_selection_arguments``).
             roots: int64 ``[B]``: each request's last verified token (not yet in the cache).
 
         Returns:
@@ -213,11 +217,11 @@ class OfflineEngine:
             bitmaps[:, 1:],
             spec.num_draft_tokens - 1,
             root_experts=bitmaps[:, 0],
-            policy=spec.policy,
-            eps=spec.eps,
-            share_buffer=spec.share_buffer,
             validate=False,
+            **selection,
         )
+        # "adaptive" may select fewer than the budget (-1 padding): padding rows run in
+        # the forward but see only themselves, are never accepted and are not counted.
         verify = build_verify_tree(roots, tree, selected)
         out = self.target.forward(
             verify.tokens, cache.lengths[:, None] + verify.depth, cache, verify.mask
@@ -237,15 +241,40 @@ class OfflineEngine:
 
         cache.commit(path)
         drafter.extend(emitted, out.aux[batch, path.clamp_min(0)], counts)
-        step = StepStats(
-            batch_size=roots.shape[0],
-            verified_tokens=routing.shape[0],
-            accepted=(counts - 1).tolist(),
-            unique_experts=unique_experts(routing, self.num_experts),
-            recall=recall,
-        )
+        step = _step_stats(routing, self.num_experts, accepted=(counts - 1).tolist(), recall=recall)
         new_tokens = [row[:n] for row, n in zip(emitted.tolist(), counts.tolist(), strict=True)]
         return step, emitted[batch[:, 0], counts - 1], new_tokens
+
+    def _selection_arguments(self, spec: SpecConfig) -> dict:
+        """``select_verify_set`` keywords from ``spec``, checked against the target's L
+        and E, tensors on the engine's device."""
+        args = {
+            "policy": spec.policy,
+            "eps": spec.eps,
+            "share_buffer": spec.share_buffer,
+            "step_tokens": spec.step_tokens,
+            "step_cost": spec.step_cost,
+        }
+        if spec.layer_weights is not None:
+            if len(spec.layer_weights) != self.num_layers:
+                raise ValueError(
+                    f"layer_weights has {len(spec.layer_weights)} entries, the target has "
+                    f"{self.num_layers} MoE layers"
+                )
+            args["layer_weights"] = torch.tensor(
+                spec.layer_weights, dtype=torch.float64, device=self.device
+            )
+        if spec.expert_rank is not None:
+            ranks = torch.tensor(spec.expert_rank, dtype=torch.int64, device=self.device)
+            if ranks.shape[-1] != self.num_experts or (
+                ranks.dim() == 2 and ranks.shape[0] != self.num_layers
+            ):
+                raise ValueError(
+                    f"expert_rank has shape {tuple(ranks.shape)}; the target needs [E] = "
+                    f"[{self.num_experts}] or [L, E] = [{self.num_layers}, {self.num_experts}]"
+                )
+            args.update(expert_rank=ranks, num_ranks=spec.num_ranks, total_weight=spec.total_weight)
+        return args
 
     def _prefill(self, prompts: list[list[int]]):
         """Runs the prompts; returns the cache (holding them), the first generated token
@@ -300,6 +329,19 @@ class OfflineEngine:
                 f"has {shape}"
             )
         return predictor
+
+
+def _step_stats(routing: torch.Tensor, num_experts: int, **fields) -> StepStats:
+    """A step's record from the routing ``[T, L, K]`` of its verified tokens: the union
+    bitmap per layer (kept on the CPU) and its counts; ``fields`` fill the rest."""
+    bitmap = union_bitmap(routing, num_experts)
+    return StepStats(
+        batch_size=len(fields["accepted"]),
+        verified_tokens=routing.shape[0],
+        unique_experts=bitmap_popcount(bitmap).tolist(),
+        expert_bitmap=bitmap.cpu(),
+        **fields,
+    )
 
 
 def _overall_recall(steps: list[StepStats]) -> float | None:
