@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from sglang_ecospec import metrics, routing, selection
+from sglang_ecospec import ep_placement, eps_table, metrics, routing, selection
 from sglang_ecospec.cpu_dev import ops
 from sglang_ecospec.settings import EcoSpecSettings, EcoSpecSettingsError
 
@@ -52,11 +52,63 @@ def test_settings_defaults_and_env_overrides(tmp_path):
         ({"SGLANG_ECOSPEC_PREDICTOR_FILE": "/no/such/file"}, "does not exist"),
         ({"SGLANG_ECOSPEC_NUM_BUCKETS": "0"}, "num_buckets"),
         ({"SGLANG_ECOSPEC_CONFIG": "/no/such.json"}, "no such file"),
+        ({"SGLANG_ECOSPEC_POLICY": "adaptive"}, "fixed per step.*--adaptive-config"),
+        ({"SGLANG_ECOSPEC_EPS": "fast"}, "eps must be a finite number > 0 or 'auto'"),
+        ({"SGLANG_ECOSPEC_EPS": "auto"}, "eps='auto' needs profile and hardware"),
+        (
+            {"SGLANG_ECOSPEC_EPS": "auto", "SGLANG_ECOSPEC_PROFILE": "qwen3-235b-a22b"},
+            "eps='auto' needs hardware: hardware: its GPUs \\(one of h100, h200",
+        ),
+        (
+            {
+                "SGLANG_ECOSPEC_EPS": "auto",
+                "SGLANG_ECOSPEC_PROFILE": "llama",
+                "SGLANG_ECOSPEC_HARDWARE": "h200",
+            },
+            "unknown model 'llama'; valid: qwen3-235b-a22b, qwen3-30b-a3b",
+        ),
+        (
+            {
+                "SGLANG_ECOSPEC_EPS": "auto",
+                "SGLANG_ECOSPEC_PROFILE": "qwen3-30b-a3b",
+                "SGLANG_ECOSPEC_HARDWARE": "tpu",
+            },
+            "unknown hardware 'tpu'",
+        ),
+        (
+            {"SGLANG_ECOSPEC_HARDWARE": "h200"},
+            "hardware set but eps = 0.1: .* only with eps='auto'",
+        ),
+        ({"SGLANG_ECOSPEC_TOTAL_WEIGHT": "1.5"}, "total_weight must lie in"),
+        ({"SGLANG_ECOSPEC_EP_COST": "2"}, "not a valid bool"),
     ],
 )
 def test_settings_errors_name_the_problem(env, message):
     with pytest.raises(EcoSpecSettingsError, match=message):
         EcoSpecSettings.from_env(env)
+
+
+def test_settings_eps_auto_and_ep_fields(tmp_path):
+    settings = EcoSpecSettings.from_env(
+        {
+            "SGLANG_ECOSPEC_EPS": "auto",
+            "SGLANG_ECOSPEC_PROFILE": "qwen3-30b-a3b",
+            "SGLANG_ECOSPEC_HARDWARE": "8xh200",
+            "SGLANG_ECOSPEC_EP_COST": "false",
+            "SGLANG_ECOSPEC_TOTAL_WEIGHT": "0.25",
+        }
+    )
+    assert settings.eps_auto and settings.hardware == "8xh200"
+    assert settings.ep_cost is False and settings.total_weight == 0.25
+    assert not EcoSpecSettings().eps_auto and EcoSpecSettings().ep_cost
+    config = tmp_path / "ecospec.json"
+    config.write_text(json.dumps({"eps": "auto", "profile": "deepseek-v3", "hardware": "h100"}))
+    assert EcoSpecSettings.from_env({"SGLANG_ECOSPEC_CONFIG": str(config)}).eps_auto
+    config.write_text(json.dumps({"eps": 2}))  # a JSON int is a number
+    assert EcoSpecSettings.from_env({"SGLANG_ECOSPEC_CONFIG": str(config)}).eps == 2
+    config.write_text(json.dumps({"eps": [1]}))
+    with pytest.raises(EcoSpecSettingsError, match="'eps' .* must be float or str"):
+        EcoSpecSettings.from_env({"SGLANG_ECOSPEC_CONFIG": str(config)})
 
 
 def test_settings_file_rejects_unknown_keys_and_wrong_types(tmp_path):
@@ -194,6 +246,258 @@ def test_organize_hook_defers_to_sglang_when_inactive():
     finally:
         selection.activate(None)
     assert len(calls) == 1
+
+
+def spy_on_selection(monkeypatch):
+    """Records the keyword arguments of every select_verify_set call the selector makes."""
+    calls = []
+    real = selection.select_verify_set
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(selection, "select_verify_set", spy)
+    return calls
+
+
+def test_auto_eps_is_looked_up_by_batch_size(monkeypatch):
+    calls = spy_on_selection(monkeypatch)
+    table = eps_table.EpsTable(batches=(1, 2, 4), eps=(0.01, 0.02, 0.5))
+    predictor = OnlineExpertPredictor(2, 16, 2, num_buckets=64)
+    settings = EcoSpecSettings(eps="auto", profile="qwen3-30b-a3b", hardware="h200")
+    selector = selection.EcoSpecSelector(
+        settings, predictor, topk=3, max_batch=8, device="cpu", eps_table=table
+    )
+    for batch in (1, 3, 5):
+        tree = sglang_draft_tree(batch, 3, 2, seed=batch)
+        selector.set_roots(torch.arange(batch))
+        assert_valid_selection(tree, selector.organize(*tree, 5), 5)
+    assert [call["eps"] for call in calls] == [0.01, 0.02, 0.5]
+    assert "expert_rank" not in calls[0]  # no EP placement: plain expert counts
+    with pytest.raises(ValueError, match="eps_table is required"):
+        selection.EcoSpecSelector(settings, predictor, topk=3, max_batch=8, device="cpu")
+    assert eps_table.bucket_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert eps_table.bucket_sizes(1) == [1]
+
+
+# --- expert parallelism -----------------------------------------------------------------------
+
+
+def fake_expert_location(physical_to_logical, ep_size, dispatch=None):
+    """SGLang's ExpertLocationMetadata for a ``[layers, P]`` physical -> logical map (each
+    logical expert's replicas listed by ascending slot, as SGLang lists them)."""
+    from sglang.srt.eplb.expert_location import ExpertLocationMetadata
+
+    p2l = torch.tensor(physical_to_logical)
+    layers, slots = p2l.shape
+    experts = int(p2l.max()) + 1
+    l2p = torch.full((layers, experts, slots), -1, dtype=torch.int64)
+    for layer in range(layers):
+        for logical in range(experts):
+            replicas = (p2l[layer] == logical).nonzero().flatten()
+            l2p[layer, logical, : replicas.numel()] = replicas
+    return ExpertLocationMetadata(
+        physical_to_logical_map=p2l,
+        physical_to_logical_map_cpu=p2l.clone(),
+        logical_to_all_physical_map=l2p,
+        logical_to_all_physical_map_cpu=l2p.clone(),
+        logical_to_all_physical_map_num_valid=(l2p != -1).sum(-1),
+        ep_size=ep_size,
+        logical_to_rank_dispatch_physical_map=None if dispatch is None else torch.tensor(dispatch),
+    )
+
+
+def test_placement_is_expert_rank_map_of_sglang_metadata():
+    from sgl_ecospec.placement import expert_rank_map
+
+    # 3 layers, 8 logical experts + 4 redundant slots over 3 ranks (4 slots each).
+    gen = torch.Generator().manual_seed(0)
+    p2l = torch.stack(
+        [
+            torch.cat([torch.randperm(8, generator=gen), torch.randint(0, 8, (4,), generator=gen)])
+            for _ in range(3)
+        ]
+    )
+    # This rank's dispatch choice: the last replica of each logical expert.
+    dispatch = torch.stack(
+        [
+            torch.tensor([int((p2l[layer] == e).nonzero().max()) for e in range(8)])
+            for layer in range(3)
+        ]
+    )
+    metadata = fake_expert_location(p2l.tolist(), 3, dispatch.tolist())
+    moe_layers = [0, 2]
+    for owns_batch, slots in [
+        (True, dispatch[moe_layers]),
+        (False, metadata.logical_to_all_physical_map[moe_layers, :, 0]),
+    ]:
+        layout = ep_placement.EPLayout(ep_size=3, metadata=metadata, owns_batch=owns_batch)
+        placement = ep_placement.ExpertPlacement(layout, moe_layers, 8, "cpu")
+        assert placement.num_ranks == 3
+        assert torch.equal(placement.expert_rank, expert_rank_map(slots, 12, 3))
+    # The two maps differ here, so the rule matters.
+    assert not torch.equal(
+        dispatch[moe_layers], metadata.logical_to_all_physical_map[moe_layers, :, 0]
+    )
+    # Dynamic dispatch (no per-rank map): the first replica even for a batch of its own.
+    dynamic = fake_expert_location(p2l.tolist(), 3)
+    layout = ep_placement.EPLayout(ep_size=3, metadata=dynamic, owns_batch=True)
+    placement = ep_placement.ExpertPlacement(layout, moe_layers, 8, "cpu")
+    want = expert_rank_map(dynamic.logical_to_all_physical_map[moe_layers, :, 0], 12, 3)
+    assert torch.equal(placement.expert_rank, want)
+    # No metadata: SGLang's plain layout, expert e in slot e.
+    plain = ep_placement.ExpertPlacement(ep_placement.EPLayout(ep_size=4), [1, 3], 8, "cpu")
+    assert plain.expert_rank.tolist() == [[0, 0, 1, 1, 2, 2, 3, 3]] * 2
+
+
+@pytest.mark.parametrize(
+    "layout, layers, experts, message",
+    [
+        (ep_placement.EPLayout(ep_size=1), [0], 8, "needs ep_size > 1"),
+        (ep_placement.EPLayout(ep_size=3), [0], 8, "do not split over ep_size 3"),
+        ("metadata", [0], 16, "8 logical experts per layer, the predictor 16"),
+        ("metadata", [0, 5], 8, "MoE layer 5 is outside"),
+    ],
+)
+def test_placement_rejects_metadata_of_another_model(layout, layers, experts, message):
+    if layout == "metadata":
+        metadata = fake_expert_location([list(range(8))] * 2, 2)
+        layout = ep_placement.EPLayout(ep_size=2, metadata=metadata)
+    with pytest.raises(ValueError, match=message):
+        ep_placement.ExpertPlacement(layout, layers, experts, "cpu")
+
+
+def test_ep_cost_follows_the_busiest_rank_and_eplb_updates(monkeypatch):
+    calls = spy_on_selection(monkeypatch)
+    # Target layer 1 is the one MoE layer; 8 experts on 2 ranks (slots 0-3 on rank 0).
+    # Layer 0 puts every expert elsewhere, so reading the wrong layer changes the answer.
+    metadata = fake_expert_location([[4, 5, 6, 7, 0, 1, 2, 3], list(range(8))], 2)
+    layout = ep_placement.EPLayout(ep_size=2, metadata=metadata)
+    predictor = OnlineExpertPredictor(1, 8, 2, num_buckets=1 << 16)
+    # Root (token 1) uses {0, 1}: rank 0 holds 2 experts, rank 1 none. Token 10 (P 0.55)
+    # needs {0, 2}: adds expert 2 to rank 0, the busiest rank rises by 1. Token 11 (P 0.45)
+    # needs {1, 5}: adds expert 5 to rank 1, the busiest rank stays at 2.
+    predictor.observe(torch.tensor([1, 10, 11]), torch.tensor([[[0, 1]], [[0, 2]], [[1, 5]]]))
+    score_list = [torch.tensor([[[0.55, 0.45]]])]
+    token_list = [torch.tensor([[10, 11]])]
+    parents_list = [torch.tensor([[-1, 0, 1]])]
+
+    def choose(selector):
+        selector.set_roots(torch.tensor([1]))
+        return selector.organize(score_list, token_list, parents_list, 2)[2].tolist()
+
+    settings = EcoSpecSettings(log_interval=0)
+    plain = selection.EcoSpecSelector(settings, predictor, topk=2, max_batch=2, device="cpu")
+    assert choose(plain) == [[10]]  # both add one expert: the higher P wins
+    placement = ep_placement.ExpertPlacement(layout, [1], 8, "cpu")
+    selector = selection.EcoSpecSelector(
+        settings, predictor, topk=2, max_batch=2, device="cpu", placement=placement
+    )
+    assert choose(selector) == [[11]]  # 0.45 / (0.5 + eps) beats 0.55 / (1 + eps)
+    call = calls[-1]
+    assert call["expert_rank"] is placement.expert_rank and call["num_ranks"] == 2
+    assert call["total_weight"] is None  # the op's default, 1 / R
+    assert placement.expert_rank.tolist() == [[0, 0, 0, 0, 1, 1, 1, 1]]
+    # total_weight from the settings reaches the op: 1 prices every added expert alike.
+    flat = selection.EcoSpecSelector(
+        EcoSpecSettings(log_interval=0, total_weight=1.0),
+        predictor,
+        topk=2,
+        max_batch=2,
+        device="cpu",
+        placement=placement,
+    )
+    assert choose(flat) == [[10]] and calls[-1]["total_weight"] == 1.0
+
+    # EPLB swaps experts 2 and 5 in layer 1 (SGLang's in-place update, through our hook).
+    ep_placement.install_hook()
+    ep_placement.activate(placement)
+    try:
+        buffer = placement.expert_rank.data_ptr()
+        moved = fake_expert_location([[4, 5, 6, 7, 0, 1, 2, 3], [0, 1, 5, 3, 4, 2, 6, 7]], 2)
+        metadata.update(moved, update_layer_ids=[1])
+        assert placement.expert_rank.data_ptr() == buffer  # graphs keep reading it
+        assert placement.expert_rank.tolist() == [[0, 0, 1, 0, 1, 0, 1, 1]]
+        assert choose(selector) == [[10]]  # expert 2 is now free on the idle rank
+    finally:
+        ep_placement.activate(None)
+
+
+def test_runtime_builds_ep_placement_and_cost_model_eps():
+    from sglang_ecospec import algorithm
+    from transformers import Qwen2MoeConfig
+
+    from sgl_ecospec.costmodel import (
+        PerformanceModel,
+        analytic_params,
+        get_hardware,
+        get_model,
+        selection_cost,
+    )
+
+    # Qwen3-30B-A3B's MoE shape (48 layers x 128 experts, top-8), EP 2 without metadata.
+    config = Qwen2MoeConfig(num_hidden_layers=48, num_experts=128, num_experts_per_tok=8)
+    settings = EcoSpecSettings(
+        eps="auto", profile="qwen3-30b-a3b", hardware="2xh200", num_buckets=64, log_interval=0
+    )
+    runtime = algorithm.EcoSpecRuntime(
+        settings,
+        config,
+        topk=4,
+        num_draft_tokens=6,
+        max_batch=40,
+        device="cpu",
+        ep_layout=ep_placement.EPLayout(ep_size=2),
+    )
+    try:
+        placement = runtime.selector.placement
+        assert placement is runtime.placement and ep_placement.active() is placement
+        assert placement.expert_rank.shape == (48, 128) and placement.num_ranks == 2
+        assert torch.equal(placement.expert_rank, (torch.arange(128) // 64).expand(48, -1))
+        table = runtime.selector.eps_table
+        assert table.batches == (1, 2, 4, 8, 16, 32, 40)
+        model, hardware = get_model("qwen3-30b-a3b"), get_hardware("2xh200")
+        perf = PerformanceModel(model, hardware, analytic_params(model, hardware).params)
+        for batch, eps in zip(table.batches, table.eps, strict=True):
+            assert eps == selection_cost(perf, batch, 6, layers=48, ep_size=2).eps
+        assert runtime.selector.eps_for(39) == table.eps[-2]
+    finally:
+        runtime.close()
+    assert ep_placement.active() is None and selection.active() is None
+    # ep_cost=false: no placement even under EP.
+    off = algorithm.EcoSpecRuntime(
+        EcoSpecSettings(ep_cost=False, num_buckets=64, log_interval=0),
+        config,
+        topk=4,
+        num_draft_tokens=6,
+        max_batch=4,
+        device="cpu",
+        ep_layout=ep_placement.EPLayout(ep_size=2),
+    )
+    off.close()
+    assert off.selector.placement is None and off.selector.eps_for(4) == 0.1
+
+
+@pytest.mark.parametrize(
+    "profile, hardware, ep_size, message",
+    [
+        ("qwen3-235b-a22b", "h200", 1, "'qwen3-235b-a22b' has 94 MoE layers x 128 experts"),
+        ("qwen3-30b-a3b", "4xh200", 8, "smaller than the EP group of 8 ranks: .* 8x4xh200"),
+    ],
+)
+def test_cost_model_eps_rejects_another_model_or_too_few_gpus(profile, hardware, ep_size, message):
+    with pytest.raises(ValueError, match=message):
+        eps_table.cost_model_eps_table(
+            profile,
+            hardware,
+            moe_layers=48,
+            num_experts=128,
+            top_k=8,
+            verify_tokens=4,
+            max_batch=8,
+            ep_size=ep_size,
+        )
 
 
 # --- routing --------------------------------------------------------------------------------
@@ -450,16 +754,57 @@ def test_ecospec_is_a_registered_eagle3_like_algorithm():
 def test_validate_server_args_reports_bad_settings(monkeypatch):
     from sglang_ecospec import algorithm
 
-    args = SimpleNamespace(speculative_draft_model_path="/d", speculative_eagle_topk=4)
+    args = SimpleNamespace(speculative_draft_model_path="/d", speculative_eagle_topk=4, ep_size=8)
     algorithm.validate_server_args(args)
     monkeypatch.setenv("SGLANG_ECOSPEC_EPS", "-1")
     with pytest.raises(ValueError, match="ECOSPEC: eps must be"):
         algorithm.validate_server_args(args)
-    monkeypatch.delenv("SGLANG_ECOSPEC_EPS")
+    monkeypatch.setenv("SGLANG_ECOSPEC_EPS", "auto")
+    monkeypatch.setenv("SGLANG_ECOSPEC_PROFILE", "qwen3-235b-a22b")
+    monkeypatch.setenv("SGLANG_ECOSPEC_HARDWARE", "h200")
+    with pytest.raises(ValueError, match="HARDWARE: .*EP group of 8 ranks"):
+        algorithm.validate_server_args(args)
+    monkeypatch.setenv("SGLANG_ECOSPEC_HARDWARE", "8xh200")
+    algorithm.validate_server_args(args)
+    for name in ("EPS", "PROFILE", "HARDWARE"):
+        monkeypatch.delenv(f"SGLANG_ECOSPEC_{name}")
     with pytest.raises(ValueError, match="speculative-draft-model-path"):
         algorithm.validate_server_args(
-            SimpleNamespace(speculative_draft_model_path=None, speculative_eagle_topk=4)
+            SimpleNamespace(speculative_draft_model_path=None, speculative_eagle_topk=4, ep_size=1)
         )
+
+
+def test_costmodel_adaptive_config_loads_in_sglang(tmp_path, capsys):
+    from sglang.srt.speculative.adaptive_spec_params import AdaptiveSpeculativeParams
+
+    from sgl_ecospec import cli
+    from sgl_ecospec.costmodel import (
+        PerformanceModel,
+        adaptive_draft_steps,
+        analytic_params,
+        get_hardware,
+        get_model,
+    )
+
+    config, report = tmp_path / "adaptive.json", tmp_path / "report.json"
+    argv = ["costmodel", "--batch", "1,16,128", "--gamma", "2", "--accept-rate", "0.8"]
+    argv += ["--adaptive-config", str(config), "--max-draft-steps", "5", "--json", str(report)]
+    assert cli.main(argv) == 0
+    model, hardware = get_model("qwen3-235b-a22b"), get_hardware("h200")
+    perf = PerformanceModel(model, hardware, analytic_params(model, hardware).params)
+    steps = adaptive_draft_steps(perf, [1, 16, 128], 0.8, 5)
+    buckets = json.loads(report.read_text())["adaptive"]["buckets"]
+    assert [(b["batch"], b["draft_steps"], b["num_draft_tokens"]) for b in buckets] == [
+        (batch, k, k + 1) for batch, k in sorted(steps.items())
+    ]
+    out = capsys.readouterr().out
+    for batch, k in steps.items():
+        assert f"{batch:>6d} {k:>12d} {k + 1:>17d}" in out
+    params = AdaptiveSpeculativeParams(initial_steps=0, cfg_path=str(config))
+    for batch, k in steps.items():  # SGLang routes each bucket to its own candidate steps
+        assert params._route(batch).candidate_steps == list(range(k + 1))
+    assert cli.main(["costmodel", "--adaptive-config", str(config), "--max-draft-steps", "0"]) == 2
+    assert "--max-draft-steps must be an int >= 1" in capsys.readouterr().err
 
 
 def test_compat_hook_shares_embed_and_head_of_targets_without_the_method():

@@ -8,7 +8,9 @@ the V2 worker path), and :class:`EcoSpecWorker` is SGLang's ``EAGLEWorkerV2`` pl
 
 - at start: the EcoSpec runtime (settings, online expert predictor, selector, routing
   capture) sized to the memory pool, and the two hooks (``organize_draft_results``,
-  ``capture_routed_experts_if_allowed``) installed in this process;
+  ``capture_routed_experts_if_allowed``) installed in this process; under expert
+  parallelism the expert -> EP rank placement from SGLang's expert location metadata (and
+  the EPLB refresh hook), with ``eps=auto`` the cost model's eps table;
 - before each decode step: the batch's bonus tokens copied into the selector (seeds of the
   expert buffer);
 - after each verify: the verify tokens' captured routing feeds the statistics and the
@@ -88,6 +90,16 @@ def validate_server_args(server_args) -> None:
     except EcoSpecSettingsError as exc:
         raise ValueError(f"--speculative-algorithm {NAME}: {exc}") from None
     cfg = resolving_view(server_args)
+    ep_size = cfg.ep_size or 1
+    if settings.eps_auto and settings.ep_cost and ep_size > 1:
+        from sglang_ecospec.eps_table import check_hardware_covers
+
+        try:
+            check_hardware_covers(settings.hardware, ep_size)
+        except ValueError as exc:
+            raise ValueError(
+                f"--speculative-algorithm {NAME}: SGLANG_ECOSPEC_HARDWARE: {exc}"
+            ) from None
     if cfg.speculative_draft_model_path is None:
         raise ValueError(
             f"--speculative-algorithm {NAME} needs an EAGLE-3 draft: pass "
@@ -141,11 +153,31 @@ class EcoSpecRuntime:
         num_draft_tokens: int,
         max_batch: int,
         device,
+        ep_layout=None,
     ):
+        """Builds and activates everything; ``ep_layout`` is SGLang's EP state
+        (``ep_placement.EPLayout``; None: no EP). ValueError when the settings do not fit
+        the served model or its parallelism."""
         from sgl_ecospec.predictor import OnlineExpertPredictor
-        from sglang_ecospec import metrics, routing, selection
+        from sglang_ecospec import ep_placement, eps_table, metrics, routing, selection
 
         layer_ids, num_experts, top_k = routing.moe_layout(hf_config)
+        ep_layout = ep_layout or ep_placement.EPLayout()
+        placement = None
+        if settings.ep_cost and ep_layout.ep_size > 1:
+            placement = ep_placement.ExpertPlacement(ep_layout, layer_ids, num_experts, device)
+        table = None
+        if settings.eps_auto:
+            table = eps_table.cost_model_eps_table(
+                settings.profile,
+                settings.hardware,
+                moe_layers=len(layer_ids),
+                num_experts=num_experts,
+                top_k=top_k,
+                verify_tokens=num_draft_tokens,
+                max_batch=max_batch,
+                ep_size=ep_layout.ep_size if placement is not None else 1,
+            )
         if settings.predictor_file:
             predictor = OnlineExpertPredictor.load(
                 settings.predictor_file,
@@ -166,8 +198,15 @@ class EcoSpecRuntime:
             )
         self.settings = settings
         self.predictor = predictor
+        self.placement = placement
         self.selector = selection.EcoSpecSelector(
-            settings, predictor, topk=topk, max_batch=max_batch, device=device
+            settings,
+            predictor,
+            topk=topk,
+            max_batch=max_batch,
+            device=device,
+            placement=placement,
+            eps_table=table,
         )
         self.capture = routing.RoutingCapture(
             layer_ids, top_k, max_batch * num_draft_tokens, device
@@ -183,9 +222,12 @@ class EcoSpecRuntime:
         selection.activate(self.selector)
         routing.activate(self.capture)
         metrics.activate(self.decode_log_window)
+        if placement is not None:
+            ep_placement.install_hook()
+            ep_placement.activate(placement)
         logger.info(
-            "%s active: %d MoE layers x %d experts (top-%d), predictor %s, policy %s, eps %g, "
-            "share_buffer %s, learn %s",
+            "%s active: %d MoE layers x %d experts (top-%d), predictor %s, policy %s, eps %s, "
+            "share_buffer %s, EP cost %s, learn %s",
             NAME,
             len(layer_ids),
             num_experts,
@@ -194,6 +236,7 @@ class EcoSpecRuntime:
             settings.policy,
             settings.eps,
             settings.share_buffer,
+            f"over {placement.num_ranks} ranks" if placement is not None else "off",
             settings.learn,
         )
 
@@ -236,10 +279,12 @@ class EcoSpecRuntime:
             )
 
     def close(self) -> None:
-        from sglang_ecospec import metrics, routing, selection
+        from sglang_ecospec import ep_placement, metrics, routing, selection
 
         if selection.active() is self.selector:
             selection.activate(None)
+        if self.placement is not None and ep_placement.active() is self.placement:
+            ep_placement.activate(None)
         if routing.active() is self.capture:
             routing.activate(None)
         if metrics.active() is self.decode_log_window:
@@ -261,6 +306,8 @@ def _make_worker_class():
             super().alloc_memory_pool(*args, **kwargs)
             pool = kwargs.get("req_to_token_pool") or self.req_to_token_pool
             if self.ecospec is None and self._draft_worker is not None:
+                from sglang_ecospec.ep_placement import sglang_layout
+
                 self.ecospec = EcoSpecRuntime(
                     self.ecospec_settings,
                     self._target_worker.model_runner.model_config.hf_config,
@@ -268,6 +315,7 @@ def _make_worker_class():
                     num_draft_tokens=self.speculative_num_draft_tokens,
                     max_batch=pool.req_to_token.shape[0],
                     device=torch.device(self.device),
+                    ep_layout=sglang_layout(),
                 )
 
         def forward_batch_generation(self, batch, *args, **kwargs):

@@ -19,9 +19,15 @@ Returned, as ``organize_draft_results``: ``parent_list`` unchanged, ``top_scores
 ``[B, ndt-1]`` ascending and ancestor-closed (every chosen node's parent is chosen or the
 root), ``draft_tokens`` ``[B, ndt-1]`` the chosen candidates' tokens.
 
-Graph safety: static shapes, no host sync (``validate=False``), persistent state (the
-predictor's tables, the root-token buffers) updated in place; the only allocations are the
-op outputs, as in SGLang's own function.
+Under expert parallelism the selector passes the EP placement (``expert_rank [L, E]``, a
+persistent buffer that EPLB updates refresh in place, :mod:`sglang_ecospec.ep_placement`)
+with ``num_ranks`` and ``total_weight``; with ``eps="auto"`` it looks eps up by batch size in
+the cost model's table (:mod:`sglang_ecospec.eps_table`), on the host.
+
+Graph safety: static shapes, no host sync (``validate=False``, the batch size and eps are
+Python numbers), persistent state (the predictor's tables, the root-token buffers, the
+placement) updated in place; the only allocations are the op outputs, as in SGLang's own
+function.
 
 Shape legend: B = requests, N = candidates per request, K = draft top-k, S = draft steps,
 L = MoE layers, W = int64 words per layer bitmap, D = num draft tokens (ndt).
@@ -33,6 +39,8 @@ import torch
 
 from sgl_ecospec import select_verify_set
 from sgl_ecospec.predictor import ExpertPredictor
+from sglang_ecospec.ep_placement import ExpertPlacement
+from sglang_ecospec.eps_table import EpsTable
 from sglang_ecospec.settings import EcoSpecSettings
 
 logger = logging.getLogger(__name__)
@@ -62,11 +70,15 @@ class EcoSpecSelector:
     """Cost-aware verify-set selection with persistent, graph-safe state.
 
     Args:
-        settings: the validated EcoSpec settings (policy, eps, share_buffer).
+        settings: the validated EcoSpec settings (policy, eps, share_buffer, total_weight).
         predictor: expert predictor (``predict_bitmaps`` over token ids).
         topk: K (``--speculative-eagle-topk``).
         max_batch: most requests of one decode batch (sizes the root buffers).
         device: where the buffers live.
+        placement: the EP placement (its ``expert_rank`` int64 ``[L, E]`` on ``device``,
+            ``num_ranks``), or None: experts priced without EP.
+        eps_table: eps by batch size, required with ``settings.eps == "auto"`` and only
+            then.
     """
 
     def __init__(
@@ -77,10 +89,24 @@ class EcoSpecSelector:
         topk: int,
         max_batch: int,
         device,
+        placement: ExpertPlacement | None = None,
+        eps_table: EpsTable | None = None,
     ):
+        if settings.eps_auto != (eps_table is not None):
+            raise ValueError("eps_table is required with eps='auto' and only then")
+        if placement is not None and tuple(placement.expert_rank.shape) != (
+            predictor.num_layers,
+            predictor.num_experts,
+        ):
+            raise ValueError(
+                f"placement covers {tuple(placement.expert_rank.shape)} (layers, experts), "
+                f"the predictor ({predictor.num_layers}, {predictor.num_experts})"
+            )
         self.settings = settings
         self.predictor = predictor
         self.topk = topk
+        self.placement = placement
+        self.eps_table = eps_table
         # Each request's root (bonus) token, copied in before the draft step; padded rows of
         # a graph replay are marked invalid so they neither seed nor take experts.
         self.root_tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)  # [Bmax]
@@ -90,6 +116,12 @@ class EcoSpecSelector:
     @property
     def max_batch(self) -> int:
         return self.root_tokens.shape[0]
+
+    def eps_for(self, batch: int) -> float:
+        """eps for a batch of ``batch`` requests (the setting, or its cost-model bucket)."""
+        if self.eps_table is not None:
+            return self.eps_table.lookup(batch)
+        return float(self.settings.eps)
 
     def set_roots(self, bonus_tokens: torch.Tensor | None) -> None:
         """Records the batch's bonus tokens ``[B]`` (None: unknown, seed nothing)."""
@@ -134,6 +166,13 @@ class EcoSpecSelector:
         keep = valid.long()
         experts = experts * keep[:, None, None, None]
         root_experts = root_experts * keep[:, None, None]
+        ep = {}
+        if self.placement is not None:
+            ep = {
+                "expert_rank": self.placement.expert_rank,
+                "num_ranks": self.placement.num_ranks,
+                "total_weight": self.settings.total_weight,
+            }
         index = select_verify_set(
             scores.float(),
             parents,
@@ -141,9 +180,10 @@ class EcoSpecSelector:
             budget,
             root_experts=root_experts,
             policy=self.settings.policy,
-            eps=self.settings.eps,
+            eps=self.eps_for(batch),
             share_buffer=self.settings.share_buffer,
             validate=False,
+            **ep,
         )  # [B, D-1] ascending; complete, every candidate is reachable
         draft_tokens = torch.gather(tokens, 1, index)  # [B, D-1]
         self.calls += 1

@@ -21,10 +21,13 @@ import os
 import typing
 from typing import Any
 
+from sgl_ecospec.costmodel.profiles import HARDWARE, MODELS, get_hardware, get_model
+
 ENV_PREFIX = "SGLANG_ECOSPEC_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
 POLICIES = ("ecospec", "confidence")
 PREDICTORS = ("online",)
+AUTO = "auto"  # eps from the cost model
 
 
 class EcoSpecSettingsError(ValueError):
@@ -39,9 +42,20 @@ class EcoSpecSettings:
         policy: "ecospec" (P / (DeltaCost + eps), the paper's rule) or "confidence" (top
             cumulative probability: SGLang's own selection, through our machinery; an A/B
             switch that keeps everything else equal).
-        eps: > 0, added to DeltaCost (predicted new experts summed over MoE layers).
+        eps: > 0, added to DeltaCost (predicted new experts summed over MoE layers), or
+            "auto": derived per batch-size bucket from the cost model of ``profile`` on
+            ``hardware`` (``sgl_ecospec.costmodel.selection_cost``) at startup.
+        profile, hardware: the cost model's model profile (a name of
+            ``sgl_ecospec.costmodel.profiles.MODELS``, matching the served model) and
+            hardware (``h200``, or ``<n>xh200`` for the n GPUs of one model replica). Read
+            only with eps "auto", and then required.
         share_buffer: one expert buffer for the whole batch, seeded with every request's
             bonus token (a batched verify pass loads the union); False: one per request.
+        ep_cost: under expert parallelism (SGLang's ep_size > 1) price a candidate by the
+            rise of the busiest EP rank's expert loads (``select_verify_set(expert_rank=)``);
+            False: count experts as without EP.
+        total_weight: in [0, 1], weight of the experts off the busiest rank in the EP cost,
+            or None for 1 / ep_size. Read only under EP with ep_cost.
         predictor: "online" (:class:`sgl_ecospec.predictor.OnlineExpertPredictor`).
         predictor_file: warm start: a file written by ``OnlineExpertPredictor.save`` for this
             model (its layer count, experts and top-k must match), or None.
@@ -55,8 +69,12 @@ class EcoSpecSettings:
     """
 
     policy: str = "ecospec"
-    eps: float = 0.1
+    eps: float | str = 0.1
+    profile: str | None = None
+    hardware: str | None = None
     share_buffer: bool = True
+    ep_cost: bool = True
+    total_weight: float | None = None
     predictor: str = "online"
     predictor_file: str | None = None
     learn: bool = True
@@ -66,10 +84,24 @@ class EcoSpecSettings:
     log_interval: int = 50
 
     def __post_init__(self):
+        if self.policy == "adaptive":
+            raise EcoSpecSettingsError(
+                "policy 'adaptive' cannot run inside SGLang: the verify width "
+                "(--speculative-num-draft-tokens) is fixed per step and per CUDA graph, so a "
+                "request cannot verify fewer nodes. Size it per batch-size bucket instead: "
+                "`sgl-ecospec costmodel --adaptive-config FILE` prints the draft tokens per "
+                "bucket (docs/sglang.md, 'Expert parallelism and adaptive budget')"
+            )
         if self.policy not in POLICIES:
             raise EcoSpecSettingsError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if not (math.isfinite(self.eps) and self.eps > 0):
-            raise EcoSpecSettingsError(f"eps must be a finite number > 0, got {self.eps}")
+        self._check_eps()
+        if self.total_weight is not None and not (
+            math.isfinite(self.total_weight) and 0 <= self.total_weight <= 1
+        ):
+            raise EcoSpecSettingsError(
+                f"total_weight must lie in [0, 1] (or be unset for 1 / ep_size), "
+                f"got {self.total_weight}"
+            )
         if self.predictor not in PREDICTORS:
             raise EcoSpecSettingsError(
                 f"predictor must be one of {PREDICTORS}, got {self.predictor!r}"
@@ -86,6 +118,46 @@ class EcoSpecSettings:
         for name in ("halve_every", "log_interval"):
             if getattr(self, name) < 0:
                 raise EcoSpecSettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def eps_auto(self) -> bool:
+        """eps comes from the cost model (``eps="auto"``)."""
+        return self.eps == AUTO
+
+    def _check_eps(self) -> None:
+        if isinstance(self.eps, str):
+            if self.eps != AUTO:
+                raise EcoSpecSettingsError(
+                    f"eps must be a finite number > 0 or {AUTO!r}, got {self.eps!r}"
+                )
+            wanted = {
+                "profile": f"the cost model's profile of the served model (one of "
+                f"{', '.join(MODELS)})",
+                "hardware": f"its GPUs (one of {', '.join(HARDWARE)}, or <n>x<name> for the n "
+                "GPUs of one replica)",
+            }
+            missing = [name for name in wanted if getattr(self, name) is None]
+            if missing:
+                raise EcoSpecSettingsError(
+                    f"eps={AUTO!r} needs {' and '.join(missing)}: "
+                    + "; ".join(f"{name}: {wanted[name]}" for name in missing)
+                )
+            try:
+                get_model(self.profile)
+                get_hardware(self.hardware)
+            except ValueError as exc:
+                raise EcoSpecSettingsError(f"eps={AUTO!r}: {exc}") from None
+            return
+        if not (math.isfinite(self.eps) and self.eps > 0):
+            raise EcoSpecSettingsError(
+                f"eps must be a finite number > 0 or {AUTO!r}, got {self.eps}"
+            )
+        given = [name for name in ("profile", "hardware") if getattr(self, name) is not None]
+        if given:
+            raise EcoSpecSettingsError(
+                f"{' and '.join(given)} set but eps = {self.eps}: they are read only with "
+                f"eps={AUTO!r}"
+            )
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "EcoSpecSettings":
@@ -141,35 +213,44 @@ def _read_file(path: str) -> dict:
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
-def _kind(type_: Any) -> tuple[type, bool]:
-    """(base type, accepts None) of a field annotation: ``float`` or ``str | None``."""
+def _kind(type_: Any) -> tuple[tuple[type, ...], bool]:
+    """(base types, accepts None) of a field annotation: ``float``, ``str | None`` or
+    ``float | str`` (tried in that order when parsing)."""
     if isinstance(type_, type):
-        return type_, False
-    args = [a for a in typing.get_args(type_) if a is not type(None)]
-    return args[0], True
+        return (type_,), False
+    args = typing.get_args(type_)
+    return tuple(a for a in args if a is not type(None)), type(None) in args
+
+
+def _type_names(bases: tuple[type, ...]) -> str:
+    return " or ".join(base.__name__ for base in bases)
 
 
 def _parse(key: str, raw: str, type_: Any) -> Any:
-    base, optional = _kind(type_)
+    bases, optional = _kind(type_)
     text = raw.strip()
     if optional and text.lower() in ("", "none"):
         return None
-    try:
+    for base in bases:
         if base is bool:
             if text.lower() in _TRUE | _FALSE:
                 return text.lower() in _TRUE
-            raise ValueError
-        return base(text)
-    except ValueError:
-        raise EcoSpecSettingsError(f"{key}={raw!r} is not a valid {base.__name__}") from None
+            continue
+        try:
+            return base(text)
+        except ValueError:
+            continue
+    raise EcoSpecSettingsError(f"{key}={raw!r} is not a valid {_type_names(bases)}")
 
 
 def _check_type(name: str, value: Any, type_: Any, source: str) -> None:
-    base, optional = _kind(type_)
+    bases, optional = _kind(type_)
     if value is None and optional:
         return
-    accepted = (int, float) if base is float else (base,)
-    if not isinstance(value, accepted) or (isinstance(value, bool) and base is not bool):
-        raise EcoSpecSettingsError(
-            f"EcoSpec setting {name!r} from {source} must be {base.__name__}, got {value!r}"
-        )
+    for base in bases:
+        accepted = (int, float) if base is float else (base,)
+        if isinstance(value, accepted) and (base is bool or not isinstance(value, bool)):
+            return
+    raise EcoSpecSettingsError(
+        f"EcoSpec setting {name!r} from {source} must be {_type_names(bases)}, got {value!r}"
+    )

@@ -2,6 +2,11 @@
 
 Predictions come from the MoESD model fitted to the analytic roofline prior
 (``performance.analytic_params``): an idealized GPU, not measurements.
+
+With ``--adaptive-config FILE`` it also picks draft steps per batch-size bucket
+(``selection_cost.adaptive_draft_steps``, one bucket per ``--batch`` value) and writes them
+as SGLang's ``--speculative-adaptive-config`` JSON (``sglang_adaptive_config``); the report
+lists, per bucket, the draft steps and the matching ``--speculative-num-draft-tokens``.
 """
 
 import argparse
@@ -17,6 +22,7 @@ from sgl_ecospec.costmodel.profiles import (
     get_model,
     ridge_tokens,
 )
+from sgl_ecospec.costmodel.selection_cost import adaptive_draft_steps, sglang_adaptive_config
 
 _COLUMNS = (
     # (JSON key, header, format)
@@ -57,6 +63,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--tau", type=float, default=0.95, help="expert coverage for the saturation threshold"
+    )
+    parser.add_argument(
+        "--adaptive-config",
+        metavar="FILE",
+        help="also pick draft steps per --batch bucket and write them as SGLang's "
+        "--speculative-adaptive-config JSON",
+    )
+    parser.add_argument(
+        "--max-draft-steps",
+        type=int,
+        default=7,
+        help="most draft steps per bucket with --adaptive-config (default 7)",
     )
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--plot", metavar="FILE", help="also write a PNG plot")
@@ -107,7 +125,7 @@ def build_report(args: argparse.Namespace) -> dict:
                     "speedup": perf.sd_speedup(batch, gamma, args.accept_rate),
                 }
             )
-    return {
+    report = {
         "note": "model predictions (MoESD model fitted to a roofline prior), not measurements",
         "model": {
             "name": model.name,
@@ -141,6 +159,24 @@ def build_report(args: argparse.Namespace) -> dict:
             "max_abs_relative_residual": fit.max_abs_residual,
         },
         "rows": rows,
+    }
+    if args.adaptive_config:
+        report["adaptive"] = adaptive_buckets(perf, batches, args.accept_rate, args.max_draft_steps)
+    return report
+
+
+def adaptive_buckets(perf: PerformanceModel, batches: list[int], accept_rate: float, max_steps):
+    """Draft steps per batch-size bucket and SGLang's adaptive config (JSON-ready)."""
+    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+        raise ValueError(f"--max-draft-steps must be an int >= 1, got {max_steps}")
+    steps = adaptive_draft_steps(perf, batches, accept_rate, max_steps)
+    return {
+        "max_draft_steps": max_steps,
+        "buckets": [
+            {"batch": batch, "draft_steps": k, "num_draft_tokens": k + 1}
+            for batch, k in sorted(steps.items())
+        ],
+        "sglang_adaptive_config": sglang_adaptive_config(steps),
     }
 
 
@@ -176,6 +212,20 @@ def format_report(report: dict) -> str:
     ]
     for row in report["rows"]:
         lines.append(" ".join(fmt.format(row[key]) for key, _, fmt in _COLUMNS))
+    if "adaptive" in report:
+        adaptive = report["adaptive"]
+        lines += [
+            "",
+            f"adaptive   draft steps per batch-size bucket (a batch takes the largest bucket "
+            f"<= its size; at most {adaptive['max_draft_steps']}, alpha "
+            f"{report['accept_rate']:g}, chain drafts; 0 = do not speculate)",
+            "bucket  draft_steps  num_draft_tokens",
+        ]
+        for bucket in adaptive["buckets"]:
+            lines.append(
+                f"{bucket['batch']:>6d} {bucket['draft_steps']:>12d} "
+                f"{bucket['num_draft_tokens']:>17d}"
+            )
     return "\n".join(lines)
 
 
@@ -208,7 +258,8 @@ def write_plot(report: dict, path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Prints the report; writes ``--json`` and ``--plot`` when given. Returns 0."""
+    """Prints the report; writes ``--json``, ``--plot`` and ``--adaptive-config`` when given.
+    Returns 0."""
     report = build_report(args)
     print(format_report(report))
     if args.json:
@@ -217,4 +268,8 @@ def run(args: argparse.Namespace) -> int:
             f.write("\n")
     if args.plot:
         write_plot(report, args.plot)
+    if args.adaptive_config:
+        with open(args.adaptive_config, "w") as f:
+            json.dump(report["adaptive"]["sglang_adaptive_config"], f, indent=2)
+            f.write("\n")
     return 0
