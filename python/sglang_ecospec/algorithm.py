@@ -153,6 +153,7 @@ class EcoSpecRuntime:
         num_draft_tokens: int,
         max_batch: int,
         device,
+        target_model=None,
         ep_layout=None,
     ):
         """Builds and activates everything; ``ep_layout`` is SGLang's EP state
@@ -162,6 +163,12 @@ class EcoSpecRuntime:
         from sglang_ecospec import ep_placement, eps_table, metrics, routing, selection
 
         layer_ids, num_experts, top_k = routing.moe_layout(hf_config)
+        if settings.verify_moe_kernel:
+            from sglang_ecospec import verify_moe_hook
+
+            verify_moe_hook.check_device(device)
+            if target_model is None:
+                raise ValueError("verify_moe_kernel needs the target model (its class is hooked)")
         ep_layout = ep_layout or ep_placement.EPLayout()
         placement = None
         if settings.ep_cost and ep_layout.ep_size > 1:
@@ -222,6 +229,9 @@ class EcoSpecRuntime:
         selection.activate(self.selector)
         routing.activate(self.capture)
         metrics.activate(self.decode_log_window)
+        self.verify_moe = None  # the verify-MoE kernel's route (setting verify_moe_kernel)
+        if settings.verify_moe_kernel:
+            self.verify_moe = verify_moe_hook.enable(type(target_model), device)
         if placement is not None:
             ep_placement.install_hook()
             ep_placement.activate(placement)
@@ -289,6 +299,11 @@ class EcoSpecRuntime:
             routing.activate(None)
         if metrics.active() is self.decode_log_window:
             metrics.activate(None)
+        if self.verify_moe is not None:
+            from sglang_ecospec import verify_moe_hook
+
+            if verify_moe_hook.active() is self.verify_moe:
+                verify_moe_hook.activate(None)
 
 
 def _make_worker_class():
@@ -315,6 +330,7 @@ def _make_worker_class():
                     num_draft_tokens=self.speculative_num_draft_tokens,
                     max_batch=pool.req_to_token.shape[0],
                     device=torch.device(self.device),
+                    target_model=self._target_worker.model_runner.model,
                     ep_layout=sglang_layout(),
                 )
 

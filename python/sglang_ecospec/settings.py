@@ -66,6 +66,9 @@ class EcoSpecSettings:
         log_interval: verify steps between two "EcoSpec:" log lines (unique experts per
             layer per verify step, predictor recall); 0 = never. Reading the statistics is
             the only host sync EcoSpec adds, once per interval.
+        verify_moe_kernel: compute the routed experts of the target's MoE layers in verify
+            forwards with EcoSpec's Triton kernel (:mod:`sglang_ecospec.verify_moe_hook`);
+            needs a CUDA device, or the CPU development mode (Triton's interpreter).
     """
 
     policy: str = "ecospec"
@@ -82,6 +85,7 @@ class EcoSpecSettings:
     prior_weight: float = 0.05
     halve_every: int = 0
     log_interval: int = 50
+    verify_moe_kernel: bool = False
 
     def __post_init__(self):
         if self.policy == "adaptive":

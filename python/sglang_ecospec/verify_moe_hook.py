@@ -1,0 +1,280 @@
+"""EcoSpec's verify-MoE kernel in the target's verify forwards (setting ``verify_moe_kernel``).
+
+A verify forward carries few tokens (B x verified nodes) spread over many experts, the case
+:func:`sgl_ecospec.kernels.verify_moe.verify_moe` is written for: it streams each active
+expert's weights once. With the setting on, two AROUND hooks route the routed-expert part of
+the target's MoE layers through it, during target-verify forwards only:
+
+- on the target model class's ``forward`` (the class of the model SGLang loaded, found at
+  start): marks the forward as a target verify when its ``forward_batch.forward_mode`` is
+  ``TARGET_VERIFY`` (not draft, extend, plain decode or idle) for the duration of the call.
+  Graph runners call the same ``forward`` when they capture, so a captured verify graph gets
+  the same choice as an eager verify forward;
+- on ``FusedMoE.run_moe_core`` (the quantisation method's ``apply``: dispatched tokens in,
+  combine input out): inside a marked forward, for a target layer SGLang computes with its
+  plain Triton runner or the CPU native path, our kernel computes the combine input from the
+  layer's own ``w13_weight`` ``[E, 2I, H]`` and ``w2_weight`` ``[E, H, I]`` and the top-k
+  weights and ids SGLang's ``TopK`` produced (renormalised, and scaled where SGLang folds the
+  scale into them). Everything else (shared experts, the dispatcher's combine, the tensor
+  parallel all-reduce) stays SGLang's.
+
+Layers the kernel does not cover fall back to SGLang's path, with one warning per reason:
+quantised or wrapped experts, another runner (FlashInfer, DeepGEMM, AITER, ...), expert
+parallelism, LoRA, AMX-packed CPU weights, biases, activations other than plain SwiGLU,
+router weights applied on the input, dtypes other than fp16/bf16/fp32, bf16 on the CPU
+(Triton's interpreter multiplies bf16 bit patterns in ``tl.dot``), and the capture of a
+CUDA graph (the kernel groups tokens by expert with ``torch.bincount``, which reads the
+largest id back to the host on a GPU; replayed verify graphs therefore run SGLang's MoE).
+
+``routed_scaling_factor`` is applied where the replaced path applies it: SGLang's Triton
+runner multiplies the expert sum by it on a GPU; the CPU native path leaves it to the model.
+Padded rows of a graph batch (expert id -1, SGLang's mask) take the first token's first expert
+with weight 0, so they load no expert of their own and their output rows are 0.
+
+Shape legend: T = tokens, H = hidden size, I = expert intermediate size (this rank's part),
+E = experts of the layer, K = experts per token.
+"""
+
+import logging
+import os
+
+import torch
+
+from sgl_ecospec.kernels import verify_moe as kernel
+from sglang_ecospec.settings import EcoSpecSettingsError
+
+logger = logging.getLogger(__name__)
+
+MOE_CORE_TARGET = "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE.run_moe_core"
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_device(device) -> None:
+    """Raises :class:`EcoSpecSettingsError` unless the kernel can run on ``device``: a CUDA
+    device with Triton, or the CPU under Triton's interpreter (the CPU development mode,
+    ``scripts/launch_cpu.sh``, sets ``TRITON_INTERPRET=1``)."""
+    device = torch.device(device)
+    if kernel.triton is None:
+        raise EcoSpecSettingsError(
+            "verify_moe_kernel needs the triton package (pip install triton)"
+        )
+    if device.type == "cuda":
+        return
+    if device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return
+        raise EcoSpecSettingsError(
+            "verify_moe_kernel on the CPU runs only under Triton's interpreter (the CPU "
+            "development mode: scripts/launch_cpu.sh sets TRITON_INTERPRET=1); unset "
+            "SGLANG_ECOSPEC_VERIFY_MOE_KERNEL or serve on a CUDA device"
+        )
+    raise EcoSpecSettingsError(
+        f"verify_moe_kernel needs a CUDA device (Triton), got device {device.type!r}"
+    )
+
+
+def model_forward_target(model_cls: type) -> str:
+    """HookRegistry path of ``model_cls.forward``."""
+    return f"{model_cls.__module__}.{model_cls.__qualname__}.forward"
+
+
+def unsupported_reason(layer, dispatch_output) -> str | None:
+    """Why the kernel cannot compute this ``run_moe_core`` call exactly as SGLang would
+    (None: it can).
+
+    Args:
+        layer: SGLang's ``FusedMoE``.
+        dispatch_output: its ``StandardDispatchOutput`` (or another dispatcher's output).
+    """
+    from sglang.srt.layers.moe.topk import TopKOutputChecker
+    from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
+
+    method = layer.quant_method
+    if type(method) is not UnquantizedFusedMoEMethod:
+        return f"quantised or wrapped experts ({type(method).__name__})"
+    if not dispatch_output.format.is_standard():
+        return f"dispatcher output {dispatch_output.format.value} (expert parallelism)"
+    if not TopKOutputChecker.format_is_standard(dispatch_output.topk_output):
+        return f"top-k output {type(dispatch_output.topk_output).__name__}"
+    config = layer.moe_runner_config
+    if config.num_experts != config.num_local_experts:
+        return "expert parallelism (this rank holds part of the experts)"
+    backend = layer.runner_backend
+    if backend is None or not backend.is_triton():
+        return f"MoE runner {getattr(backend, 'value', backend)}"
+    if getattr(method.runner, "lora_enabled", False):
+        return "LoRA on the experts"
+    if getattr(layer, "use_intel_amx_backend", False):
+        return "AMX-packed CPU weights"
+    if getattr(method, "w13_swiglu_interleaved", False):
+        return "interleaved gate/up rows"
+    if getattr(layer, "w13_weight_bias", None) is not None:
+        return "expert biases"
+    if config.activation != "silu" or not config.is_gated:
+        return f"activation {config.activation} (gated: {config.is_gated})"
+    if any(v is not None for v in (config.gemm1_alpha, config.gemm1_clamp_limit)):
+        return "SwiGLU with alpha or clamp"
+    if config.swiglu_limit is not None:
+        return "SwiGLU limit"
+    if config.apply_router_weight_on_input:
+        return "router weights applied on the input"
+    if config.no_combine:
+        return "no_combine"
+    if layer.should_fuse_routed_scaling_factor_in_topk:
+        return "routed scaling folded into the top-k weights by the runner"
+    hidden, w13, w2 = dispatch_output.hidden_states, layer.w13_weight, layer.w2_weight
+    if hidden.dtype not in _FLOATS or w13.dtype != hidden.dtype or w2.dtype != hidden.dtype:
+        return f"dtypes (hidden {hidden.dtype}, w13 {w13.dtype}, w2 {w2.dtype})"
+    if hidden.dtype == torch.bfloat16 and not hidden.is_cuda:
+        return "bfloat16 under Triton's interpreter (its tl.dot does not support bfloat16)"
+    if (
+        hidden.dim() != 2
+        or w13.dim() != 3
+        or w13.shape[1] % 2
+        or w13.shape[2] != hidden.shape[1]
+        or tuple(w2.shape) != (w13.shape[0], hidden.shape[1], w13.shape[1] // 2)
+    ):
+        return f"weight layout (w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)})"
+    if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+        return "CUDA graph capture (the kernel's expert grouping reads back to the host)"
+    return None
+
+
+class VerifyMoeRoute:
+    """The target-verify MoE layers of one scheduler process, computed by the kernel.
+
+    Args:
+        impl: ``verify_moe``'s ``impl``: "triton" in a server; tests without Triton's
+            interpreter pass "reference" to check the routing logic alone.
+
+    Attributes:
+        kernel_layers: MoE layer calls the kernel computed (a Python counter, no sync).
+        fallbacks: reason -> MoE layer calls of target-verify forwards left to SGLang.
+    """
+
+    def __init__(self, impl: str = "triton"):
+        if impl not in ("triton", "reference"):
+            raise ValueError(f"impl must be triton or reference, got {impl!r}")
+        self.impl = impl
+        self.kernel_layers = 0
+        self.fallbacks: dict[str, int] = {}
+
+    def run(self, original, layer, dispatch_output):
+        """``run_moe_core`` of a target layer inside a target-verify forward."""
+        if dispatch_output.hidden_states.shape[0] == 0:
+            return original(layer, dispatch_output)
+        reason = unsupported_reason(layer, dispatch_output)
+        if reason is not None:
+            if reason not in self.fallbacks:
+                logger.warning(
+                    "verify_moe_kernel: MoE layer %s runs SGLang's MoE in verify forwards: %s "
+                    "(logged once per reason)",
+                    layer.layer_id,
+                    reason,
+                )
+            self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+            return original(layer, dispatch_output)
+        self.kernel_layers += 1
+        return self.compute(layer, dispatch_output)
+
+    def compute(self, layer, dispatch_output):
+        """The combine input SGLang's runner would return, from the kernel.
+
+        ``dispatch_output``: hidden_states ``[T, H]`` (the layer's dtype), topk_output with
+        float ``topk_weights [T, K]`` and int ``topk_ids [T, K]`` (-1 on padded rows).
+        Returns ``StandardCombineInput`` with hidden_states ``[T, H]`` in hidden's dtype.
+        """
+        from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
+
+        hidden = dispatch_output.hidden_states
+        topk_weights, topk_ids = dispatch_output.topk_output[:2]
+        padded = topk_ids < 0  # [T, K]
+        ids = torch.where(padded, topk_ids[:1, :1].clamp(min=0), topk_ids)
+        weights = topk_weights.masked_fill(padded, 0.0)
+        out, _ = kernel.verify_moe(
+            hidden, layer.w13_weight, layer.w2_weight, ids, weights, impl=self.impl
+        )
+        scale = layer.moe_runner_config.routed_scaling_factor
+        if hidden.is_cuda and scale not in (None, 1.0):
+            out.mul_(scale)
+        return StandardCombineInput(hidden_states=out)
+
+
+_active: VerifyMoeRoute | None = None
+_in_target_verify = False  # inside a target-verify forward of the hooked model class
+
+
+def activate(route: VerifyMoeRoute | None) -> None:
+    """Makes ``route`` the one the hooks use in this process (None: SGLang's MoE everywhere)."""
+    global _active
+    _active = route
+
+
+def active() -> VerifyMoeRoute | None:
+    return _active
+
+
+def around_model_forward(original, model, *args, **kwargs):
+    """AROUND hook on the target model class's ``forward``: marks target-verify forwards."""
+    global _in_target_verify
+    if _active is None:
+        return original(model, *args, **kwargs)
+    batch = kwargs.get("forward_batch")
+    if batch is None:
+        batch = next((a for a in args if hasattr(a, "forward_mode")), None)
+    mode = getattr(batch, "forward_mode", None)
+    outer = _in_target_verify
+    _in_target_verify = mode is not None and mode.is_target_verify()
+    try:
+        return original(model, *args, **kwargs)
+    finally:
+        _in_target_verify = outer
+
+
+def around_run_moe_core(original, layer, *args, **kwargs):
+    """AROUND hook on ``FusedMoE.run_moe_core``: the kernel for target layers in a
+    target-verify forward, SGLang's own path otherwise."""
+    route = _active
+    if route is None or not _in_target_verify or getattr(layer, "is_draft", False):
+        return original(layer, *args, **kwargs)
+    if len(args) == 1 and not kwargs:
+        dispatch_output = args[0]
+    elif not args and set(kwargs) == {"dispatch_output"}:
+        dispatch_output = kwargs["dispatch_output"]
+    else:  # a subclass's extended call (expert-parallel overlap arguments): not ours
+        return original(layer, *args, **kwargs)
+    return route.run(original, layer, dispatch_output)
+
+
+_installed: set[str] = set()
+
+
+def install_hooks(model_cls: type) -> None:
+    """Registers and applies both hooks for the target model class (idempotent)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    hooks = {
+        MOE_CORE_TARGET: around_run_moe_core,
+        model_forward_target(model_cls): around_model_forward,
+    }
+    new = [target for target in hooks if target not in _installed]
+    for target in new:
+        HookRegistry.register(target, hooks[target], HookType.AROUND)
+        _installed.add(target)
+    if new:
+        HookRegistry.apply_hooks()
+
+
+def enable(model_cls: type, device, impl: str = "triton") -> VerifyMoeRoute:
+    """Checks the device, installs the hooks for ``model_cls`` and activates a new route."""
+    if impl == "triton":
+        check_device(device)
+    install_hooks(model_cls)
+    route = VerifyMoeRoute(impl)
+    activate(route)
+    logger.info(
+        "verify_moe_kernel: target-verify MoE layers of %s run EcoSpec's verify-MoE kernel (%s)",
+        model_cls.__qualname__,
+        impl,
+    )
+    return route
