@@ -174,6 +174,13 @@ class VerifyMoeRoute:
                 )
             self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
             return original(layer, dispatch_output)
+        if self.kernel_layers == 0:
+            logger.info(
+                "verify_moe_kernel: first verify MoE layer computed by the kernel (layer %s, "
+                "%d tokens)",
+                layer.layer_id,
+                dispatch_output.hidden_states.shape[0],
+            )
         self.kernel_layers += 1
         return self.compute(layer, dispatch_output)
 
