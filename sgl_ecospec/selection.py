@@ -101,7 +101,8 @@ def select_verify_set(
             units of eps. Required by "adaptive", ignored by the other policies. With
             ``share_buffer`` the step's account starts at B x step_tokens and B x step_cost.
         validate: check values (NaN or negative scores, parents out of range, cycles, ranks
-            out of range); costs host syncs on GPU. Shapes and dtypes are always checked.
+            out of range, negative or non-finite layer weights); costs host syncs on GPU.
+            Shapes and dtypes are always checked.
         impl: "auto" (compiled op when built), "native" or "reference".
 
     Returns:
@@ -114,6 +115,10 @@ def select_verify_set(
     step_tokens, step_cost = _check_step(policy, step_tokens, step_cost)
     if validate:
         _check_values(scores, parents)
+        if layer_weights is not None and not bool(
+            (torch.isfinite(layer_weights) & (layer_weights >= 0)).all()
+        ):
+            raise ValueError("layer_weights must be finite and >= 0")
         if expert_rank is not None:
             _check_ranks(expert_rank, placement[0])
     num_ranks, total_weight = placement
@@ -170,8 +175,6 @@ def _check_inputs(scores, parents, node_experts, budget, root_experts, policy, e
     if layer_weights is not None:
         check_tensor("layer_weights", layer_weights, ndim=1, dtypes=_SCORE_DTYPES)
         check_shape("layer_weights", layer_weights, (layers,), "[L]")
-        if not bool(torch.isfinite(layer_weights).all()) or bool((layer_weights < 0).any()):
-            raise ValueError("layer_weights must be finite and >= 0")
     check_same_device(
         scores=scores,
         parents=parents,
