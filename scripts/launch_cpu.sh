@@ -11,8 +11,9 @@
 #     when missing) so `import sgl_kernel` works;
 #   - TRITON_INTERPRET=1: Triton kernels (the triton attention backend) run on the CPU;
 #   - the sglang_ecospec plugin (an installed entry point) registers the missing sgl_kernel
-#     CPU ops and the tree-mask fix in every server process, only because the device is the
-#     CPU and no GPU is present.
+#     CPU ops, the tree-mask fix and PyTorch versions of the triton backend's attention
+#     kernels (with them interpreted, speculative decoding was 10-20x slower) in every
+#     server process, only because the device is the CPU and no GPU is present.
 # Speculative decoding on the CPU needs `--attention-backend triton`; pass small
 # --max-total-tokens and --mem-fraction-static values (the CPU "memory pool" is host RAM).
 # Threads: ECOSPEC_CPU_THREADS (default 1) OpenMP threads per server process.

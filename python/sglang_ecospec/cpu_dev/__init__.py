@@ -1,7 +1,7 @@
 """CPU development mode: the real SGLang server on a machine without a GPU.
 
 sglang 0.5.23 installs CUDA wheels. To serve with ``--device cpu`` on a GPU-less machine, and
-to run speculative decoding there, three things are ours (docs/sglang.md):
+to run speculative decoding there, four things are ours (docs/sglang.md):
 
 1. a stub ``libcuda.so.1`` (``stub_libcuda.c``, built by scripts/build_cpu_dev.sh) so that
    ``import sgl_kernel`` loads; scripts/launch_cpu.sh puts it on ``LD_LIBRARY_PATH``;
@@ -11,10 +11,12 @@ to run speculative decoding there, three things are ours (docs/sglang.md):
    picks ``QLEN_ONLY`` whenever it runs on the CPU, a layout only the intel_amx kernel
    reads; the Triton backend (the one that verifies on this CPU, under
    ``TRITON_INTERPRET=1``) reads ``FULL_MASK``, and given ``QLEN_ONLY`` it reads wrong cells,
-   so speculative output diverges from plain decoding.
+   so speculative output diverges from plain decoding;
+4. the Triton backend's attention kernels in plain PyTorch (:mod:`.attention`): under the
+   interpreter they took about 85% of a decode step.
 
-:func:`enable_if_cpu` (called by the plugin entry point in every server process) turns 2 and
-3 on only when SGLang serves on the CPU (``SGLANG_USE_CPU_ENGINE=1``) and torch sees no GPU:
+:func:`enable_if_cpu` (called by the plugin entry point in every server process) turns 2-4
+on only when SGLang serves on the CPU (``SGLANG_USE_CPU_ENGINE=1``) and torch sees no GPU:
 the mode is never active on a GPU machine.
 """
 
@@ -29,6 +31,9 @@ QLEN_ONLY_BACKENDS = frozenset({"intel_amx"})
 # Debug switch: ECOSPEC_CPU_KEEP_SGLANG_TREE_MASK=1 leaves SGLang's choice in place (to
 # reproduce the divergence the fix removes).
 KEEP_SGLANG_MASK_ENV = "ECOSPEC_CPU_KEEP_SGLANG_TREE_MASK"
+# Debug switch: ECOSPEC_CPU_TRITON_ATTENTION=1 keeps SGLang's Triton attention kernels (run by
+# the interpreter) instead of the PyTorch versions, to compare the two.
+TRITON_ATTENTION_ENV = "ECOSPEC_CPU_TRITON_ATTENTION"
 
 _enabled = False
 
@@ -51,13 +56,14 @@ def enable_if_cpu() -> bool:
 
 
 def enable() -> None:
-    """Registers the missing CPU ops and the tree-mask hook (idempotent)."""
+    """Registers the missing CPU ops, the tree-mask hook and the PyTorch attention kernels
+    (idempotent)."""
     global _enabled
     if _enabled:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_ecospec.cpu_dev import ops
+    from sglang_ecospec.cpu_dev import attention, ops
 
     ops.register_ops()
     if os.environ.get(KEEP_SGLANG_MASK_ENV) == "1":
@@ -68,6 +74,13 @@ def enable() -> None:
         )
     else:
         HookRegistry.register(TREE_MASK_TARGET, tree_mask_mode, HookType.REPLACE)
+    if os.environ.get(TRITON_ATTENTION_ENV) == "1":
+        logger.warning(
+            "%s=1: attention runs SGLang's Triton kernels under the interpreter (slow)",
+            TRITON_ATTENTION_ENV,
+        )
+    else:
+        attention.register_hooks()
     _enabled = True
     logger.info("sglang_ecospec: CPU development mode on (no GPU, SGLANG_USE_CPU_ENGINE=1)")
 
