@@ -4,6 +4,7 @@ import argparse
 import sys
 
 from sgl_ecospec.bench import cli as bench_cli
+from sgl_ecospec.bench import sweep
 from sgl_ecospec.costmodel import report
 from sgl_ecospec.testbed import build as testbed_build
 
@@ -15,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     report.add_parser(commands)
     bench_cli.add_parser(commands)
+    sweep.add_parser(commands)
     testbed_build.add_parser(commands)
     return parser
 

@@ -1,0 +1,518 @@
+"""Tests of ``sgl-ecospec sweep``: EP pricing and its scaling identities, the selection
+constants per batch size, the adaptive gate, argument checks, and the whole command on
+tiny models (JSON schema, bars, plot)."""
+
+import argparse
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from sgl_ecospec import select_verify_set
+from sgl_ecospec.bench import ep_cost, metrics, sweep
+from sgl_ecospec.bench.cli import performance_model
+from sgl_ecospec.bitmaps import topk_to_bitmap
+from sgl_ecospec.costmodel import expected_unique_experts, get_model, selection_cost
+from sgl_ecospec.engine import SpecConfig
+from sgl_ecospec.engine.stats import rank_loads
+
+QWEN3 = get_model("qwen3-235b-a22b")
+
+
+@dataclasses.dataclass
+class Step:
+    """The engine's StepStats, as the sweep reads it."""
+
+    batch_size: int
+    verified_tokens: int
+    accepted: list
+    unique_experts: list
+    expert_bitmap: torch.Tensor
+
+
+def step_from_ids(batch, verified, accepted, ids_per_layer, num_experts):
+    """A step whose layer l read exactly the experts ``ids_per_layer[l]``."""
+    bitmap = torch.stack(
+        [topk_to_bitmap(torch.tensor([ids]), num_experts)[0] for ids in ids_per_layer]
+    )
+    counts = [len(set(ids)) for ids in ids_per_layer]
+    return Step(batch, verified, accepted, counts, bitmap)
+
+
+# --- EP pricing ---------------------------------------------------------------------------
+
+
+def test_scale_busiest_rank_identities():
+    rng = np.random.default_rng(0)
+    unique = rng.uniform(8, 64, 200)
+    scaled = rng.uniform(8, 128, 200)
+    # R = 1: the busiest rank is the union.
+    assert np.array_equal(
+        ep_cost.scale_busiest_rank(unique, unique, scaled, ep_size=1, num_experts=128), scaled
+    )
+    # Perfect balance stays perfect: u_p / R.
+    balanced = ep_cost.scale_busiest_rank(unique / 8, unique, scaled, ep_size=8, num_experts=128)
+    np.testing.assert_allclose(balanced, scaled / 8)
+    # Everything on one rank: the union, capped at the rank's E_p / R experts.
+    lopsided = ep_cost.scale_busiest_rank(unique, unique, scaled, ep_size=8, num_experts=128)
+    np.testing.assert_allclose(lopsided, np.minimum(scaled, 16))
+    # Anything between lies in [u_p / R, min(u_p, E_p / R)].
+    busiest = unique * rng.uniform(1 / 8, 1, 200)
+    out = ep_cost.scale_busiest_rank(busiest, unique, scaled, ep_size=8, num_experts=128)
+    assert (out >= np.minimum(scaled / 8, 16) - 1e-12).all() and (
+        out <= np.minimum(scaled, 16)
+    ).all()
+    with pytest.raises(ValueError, match=r"busiest must lie in \[unique / R, unique\]"):
+        ep_cost.scale_busiest_rank(9.0, 8.0, 10.0, ep_size=2, num_experts=128)
+    with pytest.raises(ValueError, match=r"busiest must lie in \[unique / R, unique\]"):
+        ep_cost.scale_busiest_rank(1.0, 8.0, 10.0, ep_size=4, num_experts=128)
+
+
+def test_pass_seconds_prices_the_busiest_rank():
+    perf = performance_model("qwen3-235b-a22b", "8xh200")
+    tokens, unique = np.array([8.0, 40.0]), np.array([40.0, 90.0])
+    plain = perf.verify_time(1, tokens, unique)
+    np.testing.assert_allclose(ep_cost.pass_seconds(perf, tokens, unique, unique, 1), plain)
+    # A perfectly balanced layer costs what the plain model says.
+    np.testing.assert_allclose(ep_cost.pass_seconds(perf, tokens, unique, unique / 8, 8), plain)
+    # Each expert the busiest rank holds above its even share costs R x k2.
+    skewed = ep_cost.pass_seconds(perf, tokens, unique, unique / 8 + 2, 8)
+    np.testing.assert_allclose(skewed - plain, 2 * 8 * perf.params.k2)
+
+
+def test_busiest_rank_experts_from_bitmaps():
+    assert ep_cost.contiguous_expert_rank(8, 4).tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    steps = [
+        step_from_ids(1, 1, [0], [[0, 1, 2], [0, 2, 4, 6]], 8),
+        step_from_ids(1, 1, [0], [[7], [6, 7, 5]], 8),
+    ]
+    assert ep_cost.busiest_rank_experts(steps, 8, 4).tolist() == [[2, 1], [1, 2]]
+    assert ep_cost.busiest_rank_experts(steps, 8, 1).tolist() == [[3, 4], [1, 3]]
+    assert ep_cost.busiest_rank_experts(steps, 8, 8).tolist() == [[1, 1], [1, 1]]
+
+
+def _uniform_steps(count, batch, per_request, experts, top_k, layers=3):
+    """Steps whose layer unions hold ``u`` experts spread over ranks as evenly as ids go."""
+    tokens = batch * per_request
+    union = int(round(float(expected_unique_experts(tokens, experts, top_k))))
+    ids = (
+        list(range(0, experts, 2))[:union]
+        + list(range(1, experts, 2))[: max(0, union - experts // 2)]
+    )
+    return [
+        step_from_ids(batch, tokens, [1] * batch, [ids] * layers, experts) for _ in range(count)
+    ]
+
+
+def test_price_steps_at_ep1_is_the_bench_pricing():
+    perf = performance_model("qwen3-235b-a22b", "h200")
+    spec = _uniform_steps(4, 2, 5, 16, 2)
+    ar = _uniform_steps(9, 2, 1, 16, 2)
+    kw = {"num_experts": 16, "top_k": 2}
+    priced_spec = ep_cost.price_steps(spec, perf, **kw, ep_size=1)
+    priced_ar = ep_cost.price_steps(ar, perf, **kw, ep_size=1)
+    ours = ep_cost.predicted_speedup(spec, priced_spec, ar, priced_ar, perf, num_draft_steps=3)
+    bench = metrics.predicted_cost(spec, ar, perf, **kw, num_draft_steps=3)
+    assert ours["speedup"] == pytest.approx(bench["speedup"], rel=1e-12)
+    assert ours["verify_ms"] == pytest.approx(bench["verify_ms"], rel=1e-12)
+    assert ours["ar_ms"] == pytest.approx(bench["ar_ms"], rel=1e-12)
+    assert ours["step_ms"] == pytest.approx(
+        bench["verify_ms"] + bench["draft_ms"] + bench["reject_ms"], rel=1e-12
+    )
+    assert ours["speedup_stderr"] == pytest.approx(0.0, abs=1e-12)  # identical steps
+    assert np.array_equal(priced_spec.busiest_scaled, priced_spec.unique_scaled)
+
+    # Under EP the busiest rank only adds cost: a slower pass than the balanced ideal.
+    perf8 = performance_model("qwen3-235b-a22b", "8xh200")
+    priced8 = ep_cost.price_steps(spec, perf8, **{"num_experts": 16, "top_k": 2}, ep_size=8)
+    balanced = perf8.verify_time(1, 10, priced8.unique_scaled.mean(1))
+    assert (priced8.seconds >= balanced - 1e-15).all()
+    assert (priced8.busiest_scaled <= priced8.unique_scaled).all()
+
+
+def test_predicted_speedup_stderr_grows_with_uneven_acceptance():
+    perf = performance_model("qwen3-235b-a22b", "h200")
+    base = _uniform_steps(6, 1, 5, 16, 2)
+    uneven = [
+        dataclasses.replace(s, accepted=[a]) for s, a in zip(base, [0, 4, 0, 4, 0, 4], strict=True)
+    ]
+    even = [dataclasses.replace(s, accepted=[2]) for s in base]
+    ar = _uniform_steps(5, 1, 1, 16, 2)
+    kw = {"num_experts": 16, "top_k": 2, "ep_size": 1}
+    priced, priced_ar = ep_cost.price_steps(base, perf, **kw), ep_cost.price_steps(ar, perf, **kw)
+    a = ep_cost.predicted_speedup(uneven, priced, ar, priced_ar, perf, num_draft_steps=3)
+    b = ep_cost.predicted_speedup(even, priced, ar, priced_ar, perf, num_draft_steps=3)
+    assert a["speedup"] == pytest.approx(b["speedup"])  # same tokens in total
+    assert a["speedup_stderr"] > 0.1 * a["speedup"] and b["speedup_stderr"] < 1e-12
+
+
+# --- selection constants per batch size ---------------------------------------------------
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(prog="sgl-ecospec")
+    sweep.add_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["sweep", *argv])
+
+
+def test_testbed_expert_weight():
+    same = dataclasses.replace(QWEN3, num_experts=64, top_k=8)
+    for union, batch in [(8.0, 1), (30.0, 4), (60.0, 64)]:
+        assert sweep.testbed_expert_weight(
+            union, batch, 4, num_experts=64, top_k=8, profile=same
+        ) == pytest.approx(1.0)
+    # The testbed (64 experts) saturates before Qwen3 (128): later testbed experts stand for
+    # more of Qwen3's.
+    weights = [
+        sweep.testbed_expert_weight(u, 64, 4, num_experts=64, top_k=8, profile=QWEN3)
+        for u in (8.0, 30.0, 50.0)
+    ]
+    assert weights == sorted(weights) and weights[-1] > 2 * weights[0]
+    # The roots' effective tokens never exceed the batch: a union wider than uniform
+    # routing at batch 1 is treated as batch 1.
+    assert sweep.testbed_expert_weight(
+        30.0, 1, 4, num_experts=64, top_k=8, profile=QWEN3
+    ) == sweep.testbed_expert_weight(8.0, 1, 4, num_experts=64, top_k=8, profile=QWEN3)
+
+
+def test_selection_configs_follow_the_cost_model():
+    cfg = sweep.validate(_parse(["--profiles", "qwen3-235b-a22b,deepseek-v3", "--ep-sizes", "1,4"]))
+    testbed = {"num_layers": 2, "num_experts": 16, "top_k": 2}
+    configs = sweep.selection_configs(cfg, 32, 6.0, testbed)
+    assert set(configs) == {"confidence", "ecospec", "ecospec-ep", "adaptive"}
+    perf = performance_model("qwen3-235b-a22b", "h200")
+    cost = selection_cost(perf, 32, 5, draft_steps=3)
+    adaptive = configs["adaptive"]
+    assert adaptive["eps"] == cost.eps and adaptive["step_cost"] == cost.step_cost
+    assert adaptive["step_tokens"] == cost.step_tokens == 1.0
+    weight = sweep.testbed_expert_weight(6.0, 32, 4, num_experts=16, top_k=2, profile=QWEN3)
+    assert adaptive["layer_weights"] == pytest.approx((94 / 2 * weight,) * 2)
+    assert configs["ecospec"]["eps"] == cost.eps
+    ep = configs["ecospec-ep"]
+    cost4 = selection_cost(performance_model("qwen3-235b-a22b", "4xh200"), 32, 5, ep_size=4)
+    assert ep["eps"] == cost4.eps and ep["num_ranks"] == 4
+    assert ep["expert_rank"] == tuple(i // 4 for i in range(16))
+    for kwargs in configs.values():
+        spec = SpecConfig(**kwargs)
+        assert spec.num_draft_tokens == 5 and spec.share_buffer
+    assert configs["confidence"] == {
+        "topk": 4,
+        "num_steps": 3,
+        "num_draft_tokens": 5,
+        "share_buffer": True,
+        "policy": "confidence",
+    }
+
+
+def test_ecospec_ep_lowers_the_busiest_rank_on_a_constructed_tree():
+    """Root experts 0, 1 (rank 0). Node 0 (P 0.6) adds experts 2, 3, also on rank 0; node 1
+    (P 0.5) adds 4, 8, 12, one on each other rank. EcoSpec counts 2 < 3 new experts and
+    takes node 0; the EP cost sees node 0 raise the busiest rank by 2 and node 1 by 0."""
+    cfg = sweep.validate(_parse(["--ep-sizes", "1,4"]))
+    testbed = {"num_layers": 1, "num_experts": 16, "top_k": 2}
+    configs = sweep.selection_configs(cfg, 1, 2.0, testbed)
+    scores, parents = torch.tensor([[0.6, 0.5]]), torch.tensor([[-1, -1]])
+    nodes = topk_to_bitmap(torch.tensor([[[[2, 3, 3]]], [[[4, 8, 12]]]]), 16).view(1, 2, 1, 1)
+    root = topk_to_bitmap(torch.tensor([[[0, 1]]]), 16)
+
+    def select(policy):
+        kwargs = configs[policy]
+        extra = {}
+        if "expert_rank" in kwargs:
+            extra = {
+                "expert_rank": torch.tensor(kwargs["expert_rank"]),
+                "num_ranks": kwargs["num_ranks"],
+            }
+        return select_verify_set(
+            scores,
+            parents,
+            nodes,
+            1,
+            root_experts=root,
+            eps=kwargs["eps"],
+            layer_weights=torch.tensor(kwargs["layer_weights"], dtype=torch.float64),
+            **extra,
+        )
+
+    placement = ep_cost.contiguous_expert_rank(16, 4)
+    busiest = {}
+    for policy in ("ecospec", "ecospec-ep"):
+        chosen = select(policy)
+        union = root | nodes[0, chosen[0, 0]]
+        busiest[policy] = int(rank_loads(union, placement, 4).amax())
+    assert busiest == {"ecospec": 4, "ecospec-ep": 2}
+
+
+# --- arguments ----------------------------------------------------------------------------
+
+
+def test_defaults_validate():
+    cfg = sweep.validate(_parse([]))
+    assert cfg["batch_sizes"] == [1, 2, 4, 8, 16, 32, 64]
+    assert cfg["policies"] == ["confidence", "ecospec", "ecospec-ep", "adaptive"]
+    assert cfg["ep_sizes"] == [1, 8]
+    assert cfg["profiles"] == ["qwen3-235b-a22b", "gpt-oss-120b", "deepseek-v3"]
+    assert cfg["hardware"] == "h200" and cfg["dataset"] == "mt-bench"
+    assert cfg["budget"] == 4 and cfg["candidates"] == 36
+    # Policies run in a fixed order: adaptive's gate needs confidence's result first.
+    cfg = sweep.validate(_parse(["--policies", "adaptive,confidence", "--batch-sizes", "8,2"]))
+    assert cfg["policies"] == ["confidence", "adaptive"] and cfg["batch_sizes"] == [2, 8]
+    assert [sweep.prompts_per_batch_size(b, 8) for b in (1, 3, 8, 16)] == [8, 9, 8, 16]
+    assert sweep.ep_hardware("h200", 1) == "h200" and sweep.ep_hardware("h200", 8) == "8xh200"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--policies", "confidence,greedy"], r"unknown --policies \['greedy'\]"),
+        (["--policies", "ecospec,ecospec"], "lists a name twice"),
+        (["--policies", "adaptive"], "add confidence to --policies"),
+        (["--ep-sizes", "1"], "ecospec-ep selects for expert parallelism"),
+        (["--ep-sizes", "1,3"], r"--ep-sizes \[3\]: qwen3-235b-a22b has 128 experts"),
+        (["--batch-sizes", "1,0"], "--batch-sizes must be comma-separated positive ints"),
+        (["--batch-sizes", "2,2"], "lists a size twice"),
+        (["--profiles", "qwen9"], r"unknown --profiles \['qwen9'\]"),
+        (["--hardware", "8xh200"], "--hardware is one device"),
+        (["--hardware", "a100"], "unknown hardware 'a100'"),
+        (["--budget", "36"], r"--budget 36 must be in \[1, 35\]"),
+        (["--max-new-tokens", "1"], "--max-new-tokens must be >= 2"),
+        (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+        (["--target", "t"], "give both --target and --draft"),
+        (["--small", "--target", "t", "--draft", "d"], "conflicts with --target"),
+    ],
+)
+def test_invalid_arguments(argv, message):
+    with pytest.raises(ValueError, match=message):
+        sweep.validate(_parse(argv))
+
+
+def test_registered_on_the_cli():
+    from sgl_ecospec.cli import build_parser
+
+    args = build_parser().parse_args(["sweep", "--batch-sizes", "1,2"])
+    assert args.run is sweep.run
+
+
+# --- the command on tiny models -------------------------------------------------------------
+
+PROFILES = ["qwen3-235b-a22b", "gpt-oss-120b"]
+BATCHES = [1, 4]
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """A tiny Qwen2-MoE target (byte tokenizer, 16 experts top-4), an EAGLE-3 draft fitted to
+    its greedy continuations of the prompts (accepted often), and an unfitted one (almost
+    never accepted)."""
+    from _models import byte_tokenizer, tiny_target, train_draft
+
+    from sgl_ecospec.datasets import load_prompts, render_chat
+    from sgl_ecospec.engine import OfflineEngine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("sweep")
+    target = tiny_target()
+    target.save_pretrained(root / "target")
+    byte_tokenizer().save_pretrained(root / "target")
+    texts = [f"Question {i}: what is {i} + {3 * i}?" for i in range(6)]
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    engine = OfflineEngine(str(root / "target"), None)
+    ids = [render_chat(engine.tokenizer, p.text) for p in load_prompts(str(root / "prompts.jsonl"))]
+    continuations = engine.generate_greedy(ids, 12).outputs
+    sequences = [p + o for p, o in zip(ids, continuations, strict=True)]
+    train_draft(target, sequences, 40).save_pretrained(root / "draft")
+    train_draft(target, sequences, 0).save_pretrained(root / "random_draft")
+    yield root
+    torch.set_num_threads(threads)
+
+
+def _sweep(root, draft, tmp_path, *extra):
+    out_json, out_png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    argv = ["--target", str(root / "target"), "--draft", str(root / draft)]
+    argv += ["--dataset", str(root / "prompts.jsonl"), "--num-prompts", "2"]
+    argv += ["--batch-sizes", ",".join(map(str, BATCHES)), "--ep-sizes", "1,4"]
+    argv += ["--profiles", ",".join(PROFILES), "--max-new-tokens", "10", "--check-lossless"]
+    argv += ["--json", str(out_json), "--plot", str(out_png), *extra]
+    args = _parse(argv)
+    assert args.run(args) == 0
+    return json.loads(out_json.read_text()), out_png
+
+
+@pytest.fixture(scope="module")
+def fitted_report(tiny_models, tmp_path_factory):
+    return _sweep(tiny_models, "draft", tmp_path_factory.mktemp("fitted"))
+
+
+def test_sweep_report_schema_and_plot(fitted_report):
+    rep, png = fitted_report
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert set(rep) == {
+        "note",
+        "config",
+        "testbed",
+        "profiles",
+        "hardware",
+        "method",
+        "greedy",
+        "runs",
+        "rows",
+        "checks",
+    }
+    assert rep["testbed"]["num_experts"] == 16 and rep["testbed"]["top_k"] == 4
+    assert rep["hardware"] == {"1": "h200", "4": "4xh200"}
+    assert set(rep["method"]) >= {"unions", "busiest_rank", "ep_pricing", "adaptive_gate"}
+    assert [g["batch_size"] for g in rep["greedy"]] == BATCHES
+    assert [g["prompts"] for g in rep["greedy"]] == [2, 4]
+    policies = rep["config"]["policies"]
+    assert len(rep["runs"]) == len(BATCHES) * len(policies)
+    assert len(rep["rows"]) == len(BATCHES) * len(policies) * len(PROFILES) * 2
+    for run in rep["runs"]:
+        if run["ran"]:
+            assert run["lossless"] is True and run["mismatches"] == []
+            assert 1.0 <= run["accept_length"] <= 4.0
+            assert 1.0 <= run["verified_per_request"] <= 5.0
+            union = run["busiest_rank_experts"]["1"]
+            assert union == pytest.approx(run["experts_per_layer_step"])
+            assert union / 4 <= run["busiest_rank_experts"]["4"] <= min(union, 4)
+        if run["policy"] != "adaptive":
+            assert run["ran"] and run["verified_per_request"] == 5.0
+    row_keys = {
+        "batch_size",
+        "policy",
+        "profile",
+        "ep_size",
+        "speculates",
+        "accept_length",
+        "verified_per_request",
+        "experts_per_layer_step",
+        "experts_per_layer_step_scaled",
+        "busiest_rank_experts",
+        "busiest_rank_experts_scaled",
+        "step_ms",
+        "verify_ms",
+        "ar_ms",
+        "speedup",
+        "speedup_stderr",
+    }
+    for row in rep["rows"]:
+        assert set(row) == row_keys
+        assert np.isfinite([row["speedup"], row["step_ms"], row["ar_ms"]]).all()
+        if row["ep_size"] == 1:
+            assert row["busiest_rank_experts_scaled"] == pytest.approx(
+                row["experts_per_layer_step_scaled"]
+            )
+    assert set(rep["checks"]) == {
+        "adaptive_not_slower",
+        "adaptive_within_noise_of_confidence",
+        "ecospec_expert_reduction",
+        "ecospec_ep_lowers_busiest_rank",
+    }
+    printed = sweep.format_tables(rep)
+    assert "# measured on the testbed" in printed and "# bars" in printed
+    assert "predicted for gpt-oss-120b on 4xh200 (EP 4)" in printed
+    assert len(printed.splitlines()) > len(rep["rows"])
+
+
+def test_adaptive_is_never_slower_than_no_speculation(fitted_report):
+    rep, _ = fitted_report
+    rows = {(r["batch_size"], r["policy"], r["profile"], r["ep_size"]): r for r in rep["rows"]}
+    runs = {(r["batch_size"], r["policy"]): r for r in rep["runs"]}
+    for (batch, policy, profile, ranks), row in rows.items():
+        if policy != "adaptive":
+            continue
+        confidence = rows[batch, "confidence", profile, ranks]
+        # The gate: speculate exactly where confidence selection is predicted to pay.
+        assert row["speculates"] == (confidence["speedup"] > 1.0)
+        assert runs[batch, "adaptive"]["speculates"][profile][str(ranks)] == row["speculates"]
+        if row["speculates"]:
+            assert row["accept_length"] == runs[batch, "adaptive"]["accept_length"]
+        else:
+            assert row["speedup"] == 1.0 and row["step_ms"] == row["ar_ms"]
+        assert row["speedup"] >= 1.0
+    assert rep["checks"]["adaptive_not_slower"]["passed"] is True
+
+
+def test_adaptive_does_not_speculate_where_it_cannot_pay(tiny_models, tmp_path):
+    # An unfitted draft is (almost) never accepted, so no speculation pays anywhere.
+    rep, _ = _sweep(tiny_models, "random_draft", tmp_path, "--policies", "confidence,adaptive")
+    confidence = [r for r in rep["rows"] if r["policy"] == "confidence"]
+    assert all(r["speedup"] < 1.0 for r in confidence)
+    adaptive = [r for r in rep["runs"] if r["policy"] == "adaptive"]
+    assert [r["ran"] for r in adaptive] == [False] * len(BATCHES)
+    for row in rep["rows"]:
+        if row["policy"] == "adaptive":
+            assert not row["speculates"] and row["speedup"] == 1.0
+            assert row["accept_length"] == 1.0 and row["verified_per_request"] == 1.0
+    greedy = {g["batch_size"]: g for g in rep["greedy"]}
+    assert all(
+        r["experts_per_layer_step"] == greedy[r["batch_size"]]["experts_per_layer_step"]
+        for r in rep["rows"]
+        if r["policy"] == "adaptive"
+    )
+    checks = rep["checks"]
+    assert checks["adaptive_not_slower"]["passed"] is True
+    assert checks["adaptive_within_noise_of_confidence"]["passed"] is True
+    assert checks["ecospec_expert_reduction"]["passed"] is None  # ecospec not run
+
+
+def test_checks_report_failures():
+    def row(batch, policy, speedup, stderr=0.01, busiest=4.0):
+        return {
+            "batch_size": batch,
+            "policy": policy,
+            "profile": "p",
+            "ep_size": 8,
+            "speedup": speedup,
+            "speedup_stderr": stderr,
+            "busiest_rank_experts_scaled": busiest,
+        }
+
+    def run(batch, policy, experts, busiest):
+        return {
+            "batch_size": batch,
+            "policy": policy,
+            "experts_per_layer_step": experts,
+            "busiest_rank_experts": {"8": busiest},
+        }
+
+    rep = {
+        "config": {
+            "batch_sizes": [2, 16],
+            "profiles": ["p"],
+            "ep_sizes": [8],
+            "policies": ["confidence", "ecospec", "ecospec-ep", "adaptive"],
+        },
+        "rows": [
+            row(2, "confidence", 0.8),
+            row(2, "adaptive", 1.0),
+            row(2, "ecospec", 0.9, busiest=5),
+            row(2, "ecospec-ep", 0.9, busiest=4),
+            row(16, "confidence", 1.5),
+            row(16, "adaptive", 0.95),
+            row(16, "ecospec", 1.4, busiest=5),
+            row(16, "ecospec-ep", 1.4, busiest=6),
+        ],
+        "runs": [
+            run(2, "confidence", 20, 5),
+            run(2, "ecospec", 21, 5),
+            run(2, "ecospec-ep", 21, 4),
+            run(16, "confidence", 50, 9),
+            run(16, "ecospec", 40, 9),
+            run(16, "ecospec-ep", 41, 8),
+        ],
+    }
+    checks = sweep.checks(rep)
+    assert checks["adaptive_not_slower"]["passed"] is False
+    assert [
+        d["batch_size"] for d in checks["adaptive_not_slower"]["detail"] if not d["passed"]
+    ] == [16]
+    within = checks["adaptive_within_noise_of_confidence"]
+    assert within["passed"] is False and within["detail"][1]["difference"] == pytest.approx(-0.55)
+    reduction = checks["ecospec_expert_reduction"]
+    assert reduction["passed"] is False and [d["batch_size"] for d in reduction["detail"]] == [2]
+    # Batch 16: fewer busiest-rank experts on the testbed but more once scaled: not met.
+    ep = checks["ecospec_ep_lowers_busiest_rank"]
+    assert [d["passed"] for d in ep["detail"]] == [True, False] and ep["passed"] is False
