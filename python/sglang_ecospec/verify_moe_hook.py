@@ -23,8 +23,8 @@ quantised or wrapped experts, another runner (FlashInfer, DeepGEMM, AITER, ...),
 parallelism, LoRA, AMX-packed CPU weights, biases, activations other than plain SwiGLU,
 router weights applied on the input, dtypes other than fp16/bf16/fp32, bf16 on the CPU
 (Triton's interpreter multiplies bf16 bit patterns in ``tl.dot``), and the capture of a
-CUDA graph (the kernel groups tokens by expert with ``torch.bincount``, which reads the
-largest id back to the host on a GPU; replayed verify graphs therefore run SGLang's MoE).
+CUDA graph (the kernel's grouping is host-free, but its capture has not been run on a GPU
+yet; replayed verify graphs therefore run SGLang's MoE).
 
 ``routed_scaling_factor`` is applied where the replaced path applies it: SGLang's Triton
 runner multiplies the expert sum by it on a GPU; the CPU native path leaves it to the model.
@@ -136,7 +136,7 @@ def unsupported_reason(layer, dispatch_output) -> str | None:
     ):
         return f"weight layout (w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)})"
     if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
-        return "CUDA graph capture (the kernel's expert grouping reads back to the host)"
+        return "CUDA graph capture (not yet validated on a GPU)"
     return None
 
 

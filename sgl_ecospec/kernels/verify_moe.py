@@ -107,7 +107,9 @@ def _group_by_expert(topk_ids: torch.Tensor, experts: int):
     with tensor ops only (no host sync)."""
     flat = topk_ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=experts)
+    # bincount would read its maximum back to the host on CUDA (no graph capture).
+    counts = torch.zeros(experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     starts = torch.zeros(experts + 1, dtype=torch.int64, device=flat.device)
     starts[1:] = torch.cumsum(counts, 0)
     return order, starts
