@@ -1,36 +1,35 @@
 """End to end on the real SGLang server in CPU development mode (scripts/launch_cpu.sh).
 
-The tiny Qwen2-MoE target and its constructed EAGLE-3 draft (sglang_ecospec.cpu_dev.tiny)
-are served twice on a free loopback port: without speculation, then with ECOSPEC (topk 4).
-At temperature 0 ECOSPEC must return token for token what the server without speculation
-returns, with a mean acceptance length above 1, /server_info must name ECOSPEC, and the
-scheduler must log EcoSpec's statistics; the ECOSPEC server runs with --enable-metrics, and
-its decode log line and /metrics must carry EcoSpec's statistics with sane values. Servers
-are always shut down, even on failure.
+The small testbed (8-layer MoEfied SmolLM2, 64 experts top-8, with its trained EAGLE-3
+draft; built on first use, docs/testbed.md) is served on free loopback ports four times at
+temperature 0, with the same speculative settings (topk 4, 3 steps, 6 draft tokens): without
+speculation; with EAGLE3; with ECOSPEC under ``policy=confidence`` (SGLang's ranking through
+the plugin, which measures the experts EAGLE3's verify sets touch); with ECOSPEC. Asserted:
 
-About 2-3 minutes on 2 cores. Select with ``-m e2e``, skip with ``-m "not e2e"``.
+1. every speculative server returns token for token what the server without speculation
+   returns;
+2. ECOSPEC's mean acceptance length is above 1, and ECOSPEC-confidence accepts exactly what
+   EAGLE3 accepts (same verify sets);
+3. ECOSPEC's unique experts per layer per verify step are below EAGLE3's (measured through
+   ECOSPEC-confidence);
+4. /server_info names ECOSPEC; the ECOSPEC server runs with --enable-metrics, and its decode
+   log line and /metrics carry EcoSpec's statistics with sane values.
+
+Servers are always shut down, even on failure. About 5-6 minutes on 2 cores. Select with
+``-m e2e``, skip with ``-m "not e2e"``.
 """
 
 import json
-import os
 import re
-import shutil
-import signal
-import socket
-import subprocess
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
+from sglang_ecospec.local_server import LocalServer, ServerError, ecospec_log_summary, gpu_present
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[1]
-LAUNCH = ROOT / "scripts" / "launch_cpu.sh"
-START_TIMEOUT_S = 300
-# One MT-Bench question (writing) and one HumanEval prompt (HumanEval/0's header).
+# One MT-Bench question (writing) and one HumanEval prompt (HumanEval/0's header), sent as
+# chat-rendered text.
 PROMPTS = [
     "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting "
     "cultural experiences and must-see attractions.",
@@ -49,11 +48,9 @@ COMMON_ARGS = [
     "--disable-cuda-graph",
     "--skip-server-warmup",
 ]
-ECOSPEC_ARGS = [
+SPEC_ARGS = [
     "--attention-backend",
     "triton",
-    "--speculative-algorithm",
-    "ECOSPEC",
     "--speculative-num-steps",
     "3",
     "--speculative-eagle-topk",
@@ -62,102 +59,21 @@ ECOSPEC_ARGS = [
     "6",
 ]
 
-
-def _gpu_present() -> bool:
-    smi = shutil.which("nvidia-smi")
-    return smi is not None and subprocess.run([smi, "-L"], capture_output=True).returncode == 0
-
-
-if _gpu_present():
+if gpu_present():
     pytest.skip("the CPU development mode is for machines without a GPU", allow_module_level=True)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class CpuServer:
-    """scripts/launch_cpu.sh in its own process group, stopped (the whole group) on exit."""
-
-    def __init__(self, args: list[str], log_path: Path, env: dict | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = open(log_path, "w")
-        command = ["bash", str(LAUNCH), *args, "--host", "127.0.0.1", "--port", str(self.port)]
-        self.process = subprocess.Popen(
-            command,
-            cwd=ROOT,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-            start_new_session=True,
-        )
-
-    def __enter__(self):
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
-
-    def log_tail(self, lines: int = 40) -> str:
-        text = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join([line for line in text if "Ignore import error" not in line][-lines:])
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                pytest.fail(f"server exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(2)
-        pytest.fail(f"server not ready after {START_TIMEOUT_S} s:\n{self.log_tail()}")
-
-    def get(self, path: str) -> dict:
-        with urllib.request.urlopen(self.url + path, timeout=30) as response:
-            return json.load(response)
-
-    def get_text(self, path: str) -> str:
-        with urllib.request.urlopen(self.url + path, timeout=30) as response:
-            return response.read().decode()
-
-    def generate(self, prompt: str) -> dict:
-        body = json.dumps(
-            {
-                "text": prompt,
-                "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS},
-            }
-        ).encode()
-        request = urllib.request.Request(
-            self.url + "/generate", data=body, headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=600) as response:
-            return json.load(response)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGTERM)
-                self.process.wait(timeout=30)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.process.wait(timeout=30)
-        self._log.close()
+def serve(args: list[str], prompts: list[str], log: Path, env: dict | None = None):
+    """Generates every prompt on a fresh server; returns (outputs, server info, /metrics
+    text or None, log text)."""
+    try:
+        with LocalServer(args, log, env=env, cpu=True, start_timeout_s=600) as server:
+            outputs = [server.generate(prompt, MAX_NEW_TOKENS) for prompt in prompts]
+            info = server.get("/server_info")
+            metrics = server.get_text("/metrics") if "--enable-metrics" in args else None
+    except ServerError as exc:
+        pytest.fail(str(exc))
+    return outputs, info, metrics, log.read_text(errors="replace")
 
 
 def prometheus_values(text: str, name: str) -> list[tuple[str, float]]:
@@ -170,7 +86,7 @@ def assert_ecospec_observability(log_text: str, metrics_text: str, target: Path)
     """EcoSpec's statistics in SGLang's decode log line and on /metrics, within bounds."""
     config = json.loads((target / "config.json").read_text())
     top_k, num_experts = config["num_experts_per_tok"], config["num_experts"]
-    max_accept = int(ECOSPEC_ARGS[ECOSPEC_ARGS.index("--speculative-num-steps") + 1]) + 1
+    max_accept = int(SPEC_ARGS[SPEC_ARGS.index("--speculative-num-steps") + 1]) + 1
     lines = re.findall(
         r"Decode batch.*accept len: ([\d.]+).*ecospec experts/layer/step: ([\d.]+), "
         r"predictor recall: ([\d.]+)",
@@ -194,50 +110,96 @@ def assert_ecospec_observability(log_text: str, metrics_text: str, target: Path)
 
 
 @pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory):
-    from sglang_ecospec.cpu_dev import tiny
+def models() -> tuple[Path, Path]:
+    from sgl_ecospec.bench.cli import default_models
 
-    folder = tmp_path_factory.mktemp("tiny")
-    target = tiny.make_tiny_target(folder / "target")
-    draft = tiny.make_tiny_draft(target, folder / "draft")
-    return target, draft
+    target, draft = default_models(small=True)
+    return Path(target), Path(draft)
 
 
 @pytest.fixture(scope="module")
-def plain_outputs(tiny_models, tmp_path_factory):
-    target, _ = tiny_models
-    log = tmp_path_factory.mktemp("logs") / "plain.log"
-    with CpuServer(["--model-path", str(target), *COMMON_ARGS], log) as server:
-        return [server.generate(prompt) for prompt in PROMPTS]
+def prompts(models) -> list[str]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(models[0])
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        for text in PROMPTS
+    ]
 
 
-def test_ecospec_matches_plain_decoding_and_accepts_drafts(
-    tiny_models, plain_outputs, tmp_path_factory
-):
-    target, draft = tiny_models
-    log = tmp_path_factory.mktemp("logs") / "ecospec.log"
-    args = [
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(models, prompts, logs):
+    outputs, _, _, _ = serve(
+        ["--model-path", str(models[0]), *COMMON_ARGS], prompts, logs / "plain.log"
+    )
+    for output in outputs:
+        assert len(output["output_ids"]) == MAX_NEW_TOKENS
+    return outputs
+
+
+def spec_args(models, algorithm: str) -> list[str]:
+    target, draft = models
+    return [
         "--model-path",
         str(target),
         *COMMON_ARGS,
-        *ECOSPEC_ARGS,
+        *SPEC_ARGS,
+        "--speculative-algorithm",
+        algorithm,
         "--speculative-draft-model-path",
         str(draft),
-        "--enable-metrics",
-        "--decode-log-interval",
-        "4",
     ]
-    with CpuServer(args, log, env={"SGLANG_ECOSPEC_LOG_INTERVAL": "2"}) as server:
-        outputs = [server.generate(prompt) for prompt in PROMPTS]
-        info = server.get("/server_info")
-        metrics_text = server.get_text("/metrics")
+
+
+def assert_lossless(outputs: list[dict], plain_outputs: list[dict]) -> list[float]:
+    """Asserts token-for-token equality; returns each request's acceptance length."""
+    for prompt, plain, output in zip(PROMPTS, plain_outputs, outputs, strict=True):
+        assert output["output_ids"] == plain["output_ids"], prompt
+    return [output["meta_info"]["spec_accept_length"] for output in outputs]
+
+
+@pytest.fixture(scope="module")
+def eagle3_run(models, prompts, plain_outputs, logs):
+    """EAGLE3's acceptance (SGLang's worker) and its experts (ECOSPEC, policy confidence)."""
+    outputs, _, _, _ = serve(spec_args(models, "EAGLE3"), prompts, logs / "eagle3.log")
+    eagle3_accept = assert_lossless(outputs, plain_outputs)
+    outputs, _, _, text = serve(
+        spec_args(models, "ECOSPEC"),
+        prompts,
+        logs / "ecospec-confidence.log",
+        env={"SGLANG_ECOSPEC_POLICY": "confidence", "SGLANG_ECOSPEC_LOG_INTERVAL": "1"},
+    )
+    confidence_accept = assert_lossless(outputs, plain_outputs)
+    return eagle3_accept, confidence_accept, ecospec_log_summary(text)
+
+
+def test_confidence_policy_reproduces_eagle3(eagle3_run):
+    eagle3_accept, confidence_accept, stats = eagle3_run
+    assert confidence_accept == eagle3_accept
+    assert stats["verify_steps"] > 0
+
+
+def test_ecospec_is_lossless_accepts_drafts_and_loads_fewer_experts(
+    models, prompts, plain_outputs, eagle3_run, logs
+):
+    target, _ = models
+    args = [*spec_args(models, "ECOSPEC"), "--enable-metrics", "--decode-log-interval", "4"]
+    outputs, info, metrics_text, text = serve(
+        args, prompts, logs / "ecospec.log", env={"SGLANG_ECOSPEC_LOG_INTERVAL": "1"}
+    )
     assert info["speculative_algorithm"] == "ECOSPEC"
-    accept_lengths = []
-    for prompt, plain, eco in zip(PROMPTS, plain_outputs, outputs, strict=True):
-        assert len(plain["output_ids"]) == MAX_NEW_TOKENS
-        assert eco["output_ids"] == plain["output_ids"], prompt
-        accept_lengths.append(eco["meta_info"]["spec_accept_length"])
+    accept_lengths = assert_lossless(outputs, plain_outputs)
     assert sum(accept_lengths) / len(accept_lengths) > 1.0, accept_lengths
-    text = log.read_text(errors="replace")
-    assert "ECOSPEC active" in text and "EcoSpec:" in text, server.log_tail()
+    assert "ECOSPEC active" in text and "EcoSpec:" in text
+    ecospec = ecospec_log_summary(text)
+    eagle3 = eagle3_run[2]
+    assert ecospec["experts_per_layer_step"] < eagle3["experts_per_layer_step"], (ecospec, eagle3)
     assert_ecospec_observability(text, metrics_text, target)
