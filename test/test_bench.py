@@ -176,6 +176,7 @@ def test_defaults_validate():
         (["--profile", "qwen9"], "unknown model 'qwen9'"),
         (["--hardware", "a100"], "unknown hardware 'a100'"),
         (["--dataset", "gsm8k,gsm8k"], "listed twice"),
+        (["--save-predictor", "p.pt", "--predictor", "oracle"], "writes the online predictor"),
     ],
 )
 def test_invalid_arguments(argv, message):
@@ -411,6 +412,7 @@ def test_bench_end_to_end_on_tiny_models(tiny_models, tmp_path, capsys):
     argv += ["--prompts", str(root / "prompts.jsonl"), "--num-prompts", "3"]
     argv += ["--max-new-tokens", "8", "--batch-size", "2", "--budgets", "1,4"]
     argv += ["--check-lossless", "--json", str(out_json), "--plot", str(out_png)]
+    argv += ["--save-predictor", str(tmp_path / "predictor.pt")]
     args = _parse(argv)
     assert args.run(args) == 0
     assert "speedup" in capsys.readouterr().out
@@ -427,6 +429,17 @@ def test_bench_end_to_end_on_tiny_models(tiny_models, tmp_path, capsys):
     # The draft was fitted to these very continuations: most drafts are accepted.
     assert report["policies"]["confidence"]["accept_length"] > 2.0
     assert out_png.read_bytes()[:4] == b"\x89PNG"
+    # The saved table is a warm start for the plugin on this target: it loads for the
+    # target's shape and has observed the run's verify passes.
+    from sglang_ecospec.settings import EcoSpecSettings
+
+    from sgl_ecospec.predictor import OnlineExpertPredictor
+
+    saved = OnlineExpertPredictor.load(
+        tmp_path / "predictor.pt", num_layers=4, num_experts=16, top_k=4
+    )
+    assert saved.observe_calls > 0
+    assert EcoSpecSettings(predictor_file=str(tmp_path / "predictor.pt")).predictor_file
 
 
 def test_default_models_are_the_testbed(monkeypatch, tmp_path):

@@ -93,6 +93,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help=f"plot experts vs budget per policy (needs --budgets; default file {DEFAULT_PLOT})",
     )
     out.add_argument(
+        "--save-predictor",
+        metavar="FILE",
+        help="write the online predictor learned in the last policy's run at --budget: a warm "
+        "start for the SGLang plugin (SGLANG_ECOSPEC_PREDICTOR_FILE) on the same target",
+    )
+    out.add_argument(
         "--check-lossless",
         action="store_true",
         help="fail (exit 1) on the first output that differs from the target's greedy one",
@@ -138,6 +144,8 @@ def validate(args: argparse.Namespace) -> dict:
         )
     if not args.eps > 0:
         raise ValueError(f"--eps must be > 0, got {args.eps}")
+    if args.save_predictor and args.predictor != "online":
+        raise ValueError("--save-predictor writes the online predictor; use --predictor online")
     if (args.target is None) != (args.draft is None):
         raise ValueError("give both --target and --draft, or neither (the testbed)")
     if args.small and args.target:
@@ -170,6 +178,7 @@ def validate(args: argparse.Namespace) -> dict:
         "profile": profile.name,
         "hardware": hardware.name,
         "check_lossless": args.check_lossless,
+        "save_predictor": args.save_predictor,
     }
 
 
@@ -314,6 +323,7 @@ def _speculative(cfg, engine, budget, policy, batches, prompts, greedy, progress
         "wall_seconds": time.perf_counter() - started,
         "per_dataset": per_dataset,
         "steps": steps,  # popped by run_bench after pricing
+        "predictor": predictor,  # popped by run_bench
     }
 
 
@@ -364,6 +374,9 @@ def run_bench(cfg: dict, engine, prompts: dict, *, out=None) -> dict:
         progress.write(report.preamble(rep) + "\n\n" + report.table_header(), out)
         for budget, policy in runs:
             entry = _speculative(cfg, engine, budget, policy, batches, prompts, greedy, progress)
+            predictor = entry.pop("predictor")
+            if cfg.get("save_predictor") and budget == cfg["budget"] and hasattr(predictor, "save"):
+                predictor.save(cfg["save_predictor"])
             entry["predicted"] = metrics.predicted_cost(
                 entry.pop("steps"), greedy_steps, perf, **shape, num_draft_steps=cfg["steps"]
             )
