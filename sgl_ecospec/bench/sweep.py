@@ -7,7 +7,7 @@ greedily (no speculation, the baseline every speedup is over) and once per polic
 - ``confidence``: SGLang's choice (the top scores).
 - ``ecospec``: P / (DeltaCost + eps), with eps from ``costmodel.selection_cost`` for the
   primary (first) profile at batch B, and layer weights that put one testbed expert in
-  that profile's units (``selection_layer_weight``).
+  that profile's units (``testbed_expert_weight``).
 - ``ecospec-ep``: ``ecospec`` with the expert-parallel cost (busiest-rank rise) for the
   largest ``--ep-sizes`` entry: testbed experts on ranks in contiguous blocks
   (``ep_cost.contiguous_expert_rank``), eps of that EP group.
@@ -306,7 +306,7 @@ def selection_configs(cfg: dict, batch: int, root_union: float, testbed: dict) -
         testbed: ``{"num_layers", "num_experts", "top_k"}`` of the target.
 
     Returns:
-        policy -> dict of ``SpecConfig`` fields (``module docstring``).
+        policy -> dict of ``SpecConfig`` fields (see the module docstring).
     """
     from sgl_ecospec.costmodel import selection_cost
 

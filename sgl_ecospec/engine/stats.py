@@ -44,7 +44,8 @@ class StepStats:
         for the busiest rank: this is the load that sets the pace.
 
         Args:
-            expert_rank: int ``[E]`` (every layer) or ``[L, E]``: the rank of each expert.
+            expert_rank: int32 or int64 ``[E]`` (every layer) or ``[L, E]``: the rank of
+                each expert, in [0, R).
             num_ranks: R (>= 1).
 
         Returns:
