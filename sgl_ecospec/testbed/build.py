@@ -188,7 +188,8 @@ def _build_into(work: Path, recipe: Recipe, log: Callable[[str], None]) -> None:
         }
         samples += calib_samples
     with phases("draft training"):
-        draft = draft_training.init_draft(model, samples, spec, recipe.seed)
+        text_counts = data.token_counts(tokenizer, convs)
+        draft = draft_training.init_draft(model, samples, text_counts, spec, recipe.seed)
         info["draft_history"] = draft_training.train_draft(
             draft, model.model.embed_tokens, samples, spec, gen, log
         )

@@ -34,6 +34,16 @@ def packed_chunks(tokenizer, conversations: list[list[dict]], num_chunks: int, l
     raise ValueError(f"{len(conversations)} conversations hold {len(ids)} tokens, need {need}")
 
 
+def token_counts(tokenizer, conversations: list[list[dict]]) -> torch.Tensor:
+    """float64 ``[V]``: how often each token id occurs in the conversations' messages."""
+    counts = torch.zeros(len(tokenizer), dtype=torch.float64)
+    for conv in conversations:
+        text = "\n".join(message["content"] for message in conv)
+        ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
+        counts += torch.bincount(ids, minlength=len(counts)).double()
+    return counts
+
+
 @torch.no_grad()
 def perplexity(model, chunks: torch.Tensor, batch: int = 8) -> float:
     """exp(mean next-token NLL) of a causal LM over ``chunks`` int64 ``[B, L]``."""

@@ -184,19 +184,35 @@ def draft_config(target_config, spec: DraftSpec) -> eagle3.Eagle3Config:
     )
 
 
-def init_draft(target: nn.Module, samples: list[Sample], spec: DraftSpec, seed: int):
-    """A fresh, randomly initialised draft whose vocabulary is the ``spec.vocab_size`` most
-    frequent target greedy tokens in ``samples``.
+def init_draft(
+    target: nn.Module,
+    samples: list[Sample],
+    text_counts: torch.Tensor,
+    spec: DraftSpec,
+    seed: int,
+) -> eagle3.Eagle3Draft:
+    """A fresh, randomly initialised draft.
 
-    (Copying the target's lm_head rows and final norm in as a warm start trained worse:
-    the target's sharp logits on a random hidden state start the loss near 40-70 nats.)
+    Its vocabulary is the ``spec.vocab_size`` tokens with the largest mean of two shares:
+    of the target's greedy tokens in ``samples`` and of ``text_counts`` (token counts of a
+    larger text sample). The samples alone hold too few distinct tokens: a vocabulary built
+    from them covered only 83% of the target's tokens on MT-Bench answers, against 93% with
+    the text counts mixed in (8192 tokens).
+
+    (Copying the target's lm_head rows and final norm in as a warm start did not help:
+    trained with EAGLE-1's feature loss, acceptance 1.33 against 1.33; frozen, 1.47 against
+    1.49; see docs/testbed.md.)
+
+    Args:
+        text_counts: float ``[V]`` token counts.
     """
     config = draft_config(target.config, spec)
     draft = eagle3.init_weights(eagle3.Eagle3Draft(config), seed=seed)
-    counts = torch.zeros(config.vocab_size)
+    greedy = torch.zeros(config.vocab_size)
     for s in samples:
-        counts += torch.bincount(s.greedy, minlength=config.vocab_size)
-    draft.set_vocab_maps(*eagle3.build_vocab_maps(counts, config.draft_vocab_size))
+        greedy += torch.bincount(s.greedy, minlength=config.vocab_size)
+    share = greedy / greedy.sum() + text_counts / text_counts.sum()
+    draft.set_vocab_maps(*eagle3.build_vocab_maps(share, config.draft_vocab_size))
     return draft
 
 
