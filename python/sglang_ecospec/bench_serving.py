@@ -21,6 +21,7 @@ the arguments it needs; the default model is the small testbed. On a GPU pass
 import argparse
 import json
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -287,6 +288,8 @@ def run(cfg: dict, work: Path, log=print) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so every started server is stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         cfg = validate(args)
         if cfg["model_path"] is None:
