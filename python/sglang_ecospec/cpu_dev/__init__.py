@@ -13,9 +13,12 @@ to run speculative decoding there, four things are ours (docs/sglang.md):
    ``TRITON_INTERPRET=1``) reads ``FULL_MASK``, and given ``QLEN_ONLY`` it reads wrong cells,
    so speculative output diverges from plain decoding;
 4. the Triton backend's attention kernels in plain PyTorch (:mod:`.attention`): under the
-   interpreter they took about 85% of a decode step.
+   interpreter they took about 85% of a decode step;
+5. the other Triton kernels of the speculative decode path in plain PyTorch
+   (:mod:`.kernels`: the Qwen2-MoE shared-expert gate, the draft's KV lists), with the
+   attention in PyTorch about 60% of the EAGLE3 scheduler's time.
 
-:func:`enable_if_cpu` (called by the plugin entry point in every server process) turns 2-4
+:func:`enable_if_cpu` (called by the plugin entry point in every server process) turns 2-5
 on only when SGLang serves on the CPU (``SGLANG_USE_CPU_ENGINE=1``) and torch sees no GPU:
 the mode is never active on a GPU machine.
 """
@@ -34,6 +37,9 @@ KEEP_SGLANG_MASK_ENV = "ECOSPEC_CPU_KEEP_SGLANG_TREE_MASK"
 # Debug switch: ECOSPEC_CPU_TRITON_ATTENTION=1 keeps SGLang's Triton attention kernels (run by
 # the interpreter) instead of the PyTorch versions, to compare the two.
 TRITON_ATTENTION_ENV = "ECOSPEC_CPU_TRITON_ATTENTION"
+# Debug switch: ECOSPEC_CPU_TRITON_KERNELS=1 keeps SGLang's Triton shared-expert gate and draft
+# KV-list kernels (run by the interpreter) instead of the PyTorch versions.
+TRITON_KERNELS_ENV = "ECOSPEC_CPU_TRITON_KERNELS"
 
 _enabled = False
 
@@ -56,14 +62,14 @@ def enable_if_cpu() -> bool:
 
 
 def enable() -> None:
-    """Registers the missing CPU ops, the tree-mask hook and the PyTorch attention kernels
-    (idempotent)."""
+    """Registers the missing CPU ops, the tree-mask hook and the PyTorch versions of the
+    Triton kernels (idempotent)."""
     global _enabled
     if _enabled:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_ecospec.cpu_dev import attention, ops
+    from sglang_ecospec.cpu_dev import attention, kernels, ops
 
     ops.register_ops()
     if os.environ.get(KEEP_SGLANG_MASK_ENV) == "1":
@@ -81,6 +87,14 @@ def enable() -> None:
         )
     else:
         attention.register_hooks()
+    if os.environ.get(TRITON_KERNELS_ENV) == "1":
+        logger.warning(
+            "%s=1: the shared-expert gate and the draft KV lists run SGLang's Triton kernels "
+            "under the interpreter (slow)",
+            TRITON_KERNELS_ENV,
+        )
+    else:
+        kernels.register_hooks()
     _enabled = True
     logger.info("sglang_ecospec: CPU development mode on (no GPU, SGLANG_USE_CPU_ENGINE=1)")
 
