@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from sglang_ecospec import bench_serving
-from sglang_ecospec.local_server import ecospec_log_summary, gpu_present
+from sglang_ecospec.local_server import accept_length_from_log, ecospec_log_summary, gpu_present
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,6 +47,7 @@ def test_server_launch_lines():
     assert env == {}
     args, env = bench_serving.server_launch(cfg, "eagle3")
     assert args[args.index("--speculative-algorithm") + 1] == "EAGLE3"
+    assert args[args.index("--decode-log-interval") + 1] == "1"
     assert args[args.index("--speculative-draft-model-path") + 1] == "/d"
     assert env == {}
     for algorithm, policy in (("ecospec", "ecospec"), ("ecospec-confidence", "confidence")):
@@ -68,6 +69,19 @@ def test_log_summary_weights_lines_by_steps():
     assert summary["experts_per_layer_step"] == pytest.approx((40 + 8) / 6)
     assert summary["predictor_recall"] == pytest.approx((2.0 + 1.6) / 6)
     assert ecospec_log_summary("no statistics")["experts_per_layer_step"] is None
+
+
+def test_accept_length_is_request_weighted_over_the_window():
+    line = (
+        "[t] Decode batch, #running-req: {n}, #token: 81, token usage: 0.02, accept len: {a}, "
+        "accept rate: 0.01, cpu graph: False, gen throughput (token/s): 0.22, #queue-req: 0\n"
+    )
+    text = (
+        line.format(n=4, a="1.50") + "[t] Prefill batch, #new-seq: 1\n" + line.format(n=1, a="3.00")
+    )
+    assert accept_length_from_log(text) == pytest.approx((4 * 1.5 + 3.0) / 5)
+    plain = "[t] Decode batch, #running-req: 2, #token: 9, cpu graph: False, #queue-req: 0\n"
+    assert accept_length_from_log(plain) is None
 
 
 def test_sharegpt_file_is_what_sglang_reads(tmp_path):

@@ -4,7 +4,8 @@
 starts a server for each of ``--algorithms`` (none, eagle3, ecospec-confidence, ecospec),
 runs ``python -m sglang.bench_serving --backend sglang`` with packaged prompts (MT-Bench or
 ShareGPT first turns, written to an offline ShareGPT-format file) at every
-``--concurrency``, and prints one table: output throughput, mean TPOT, acceptance length,
+``--concurrency``, and prints one table: output throughput, mean TPOT, acceptance length
+(from the phase's decode log lines, one per step),
 and, for ECOSPEC servers, unique experts per layer per verify step and predictor recall
 (from the scheduler's ``EcoSpec:`` log lines of that phase).
 
@@ -28,7 +29,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from sglang_ecospec.local_server import LocalServer, ServerError, ecospec_log_summary, gpu_present
+from sglang_ecospec.local_server import (
+    LocalServer,
+    ServerError,
+    accept_length_from_log,
+    ecospec_log_summary,
+    gpu_present,
+)
 
 ALGORITHMS = ("none", "eagle3", "ecospec-confidence", "ecospec")
 WARMUP_PROMPT = "Hello"
@@ -156,6 +163,10 @@ def server_launch(cfg: dict, algorithm: str) -> tuple[list[str], dict]:
             str(cfg["topk"]),
             "--speculative-num-draft-tokens",
             str(cfg["num_draft_tokens"]),
+            # One decode log line per step: the phase's acceptance length is read from them
+            # (SGLang's /server_info average runs over the server's whole life).
+            "--decode-log-interval",
+            "1",
         ]
     if algorithm.startswith("ecospec"):
         env["SGLANG_ECOSPEC_POLICY"] = (
@@ -263,7 +274,8 @@ def run(cfg: dict, work: Path, log=print) -> list[dict]:
                 t0 = time.monotonic()
                 out = work / f"client-{algorithm}-c{concurrency}.jsonl"
                 result = run_client(cfg, server, dataset_file, concurrency, out)
-                stats = ecospec_log_summary(server.log_text(offset))
+                phase_log = server.log_text(offset)
+                stats = ecospec_log_summary(phase_log)
                 record = {
                     "algorithm": algorithm,
                     "concurrency": concurrency,
@@ -272,7 +284,7 @@ def run(cfg: dict, work: Path, log=print) -> list[dict]:
                     "mean_tpot_ms": result.get("mean_tpot_ms"),
                     "median_tpot_ms": result.get("median_tpot_ms"),
                     "mean_ttft_ms": result.get("mean_ttft_ms"),
-                    "accept_length": result.get("accept_length"),
+                    "accept_length": accept_length_from_log(phase_log),
                     "experts_per_layer_step": stats["experts_per_layer_step"],
                     "predictor_recall": stats["predictor_recall"],
                     "verify_steps_logged": stats["verify_steps"],

@@ -30,6 +30,12 @@ _ECOSPEC_LINE = re.compile(
 )
 
 
+# SGLang's decode log line; "accept len" is accepted tokens per request-step of its interval.
+_DECODE_LINE = re.compile(
+    r"Decode batch, #running-req: (?P<reqs>\d+),.*?accept len: (?P<accept>[\d.]+)"
+)
+
+
 class ServerError(RuntimeError):
     """The server exited, or did not become ready in time (the message has its log tail)."""
 
@@ -75,6 +81,22 @@ def ecospec_log_summary(text: str) -> dict:
         "experts_per_layer_step": experts / steps if steps else None,
         "predictor_recall": recall / steps if steps else None,
     }
+
+
+def accept_length_from_log(text: str) -> float | None:
+    """Mean acceptance length over the speculative decode log lines in ``text``.
+
+    Each "Decode batch" line reports its interval's accepted tokens per request-step; with
+    ``--decode-log-interval 1`` a line is one step, and weighting it by its running requests
+    gives accepted tokens over request-steps for the whole text, i.e. SGLang's own
+    acceptance length restricted to that window. None when no line carries "accept len".
+    """
+    weighted, requests = 0.0, 0
+    for match in _DECODE_LINE.finditer(text):
+        n = int(match["reqs"])
+        weighted += n * float(match["accept"])
+        requests += n
+    return weighted / requests if requests else None
 
 
 class LocalServer:
