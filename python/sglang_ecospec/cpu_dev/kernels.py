@@ -212,10 +212,10 @@ def generate_draft_decode_kv_indices(
     if page_size == 1 or topk == 1:
         draft_start = seq_lens[:, None] + branch * num_steps
     else:
-        last_page_len = seq_lens % page_size
-        pages_per_branch = (last_page_len + num_steps + page_size - 1) // page_size
-        prefix_pages_end = seq_lens // page_size * page_size + last_page_len
-        draft_start = prefix_pages_end[:, None] + branch * (pages_per_branch * page_size)[:, None]
+        # each branch's draft tokens continue the last prefix page's offset on pages of
+        # their own (the kernel's prefix_base + k * pages * page_size + last_page_len)
+        pages_per_branch = (seq_lens % page_size + num_steps + page_size - 1) // page_size
+        draft_start = seq_lens[:, None] + branch * (pages_per_branch * page_size)[:, None]
 
     tokens = batch * topk
     counted = min(tokens, num_tokens_upper)
