@@ -396,16 +396,13 @@ def run_bench(cfg: dict, engine, prompts: dict, *, out=None) -> dict:
     return rep
 
 
-def run(args: argparse.Namespace) -> int:
-    """The ``bench`` command: 0 on success, 1 when --check-lossless finds a mismatch."""
-    cfg = validate(args)
-    prompts = {
-        name: load_prompts(name, num_prompts=cfg["num_prompts"], seed=cfg["seed"])
-        for name in cfg["datasets"]
-    }
+def open_engine(cfg: dict, command: str):
+    """The ``OfflineEngine`` of ``cfg``'s target and draft (the testbed, built on first use,
+    when none is given; ``cfg`` then names its directories), checked for what the benchmark
+    commands need: a chat template and routing that leaves a choice. ``command`` names the
+    caller in error messages."""
     if cfg["target"] is None:
         cfg["target"], cfg["draft"] = default_models(cfg["small"])
-
     for flag in ("target", "draft"):
         if not os.path.isdir(cfg[flag]):
             raise FileNotFoundError(f"--{flag} {cfg[flag]!r} is not a directory")
@@ -419,7 +416,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if engine.tokenizer is None:
         raise ValueError(
-            f"{cfg['target']} has no tokenizer: the benchmark renders prompts with its chat "
+            f"{cfg['target']} has no tokenizer: the {command} renders prompts with its chat "
             "template"
         )
     if engine.top_k >= engine.num_experts:
@@ -427,6 +424,17 @@ def run(args: argparse.Namespace) -> int:
             f"the target routes every token to all {engine.num_experts} experts: nothing to "
             "select or scale"
         )
+    return engine
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``bench`` command: 0 on success, 1 when --check-lossless finds a mismatch."""
+    cfg = validate(args)
+    prompts = {
+        name: load_prompts(name, num_prompts=cfg["num_prompts"], seed=cfg["seed"])
+        for name in cfg["datasets"]
+    }
+    engine = open_engine(cfg, "benchmark")
     try:
         rep = run_bench(cfg, engine, prompts)
     except LosslessError as exc:

@@ -26,7 +26,6 @@ rank under EP), on the hardware profile times the EP size (EP 8 on ``8xh200``).
 
 import argparse
 import math
-import os
 import sys
 import time
 
@@ -41,8 +40,8 @@ from sgl_ecospec.bench.cli import (
     _describe_mismatch,
     _greedy,
     _Progress,
-    default_models,
     num_candidates,
+    open_engine,
     performance_model,
 )
 from sgl_ecospec.costmodel import formulas
@@ -777,28 +776,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = validate(args)
     needed = max(prompts_per_batch_size(b, cfg["num_prompts"]) for b in cfg["batch_sizes"])
     prompts = load_prompts(cfg["dataset"], num_prompts=needed, seed=cfg["seed"])
-    if cfg["target"] is None:
-        cfg["target"], cfg["draft"] = default_models(cfg["small"])
-    for flag in ("target", "draft"):
-        if not os.path.isdir(cfg[flag]):
-            raise FileNotFoundError(f"--{flag} {cfg[flag]!r} is not a directory")
-
-    import torch
-
-    from sgl_ecospec.engine import OfflineEngine
-
-    engine = OfflineEngine(
-        cfg["target"], cfg["draft"], device=cfg["device"], dtype=getattr(torch, cfg["dtype"])
-    )
-    if engine.tokenizer is None:
-        raise ValueError(
-            f"{cfg['target']} has no tokenizer: the sweep renders prompts with its chat template"
-        )
-    if engine.top_k >= engine.num_experts:
-        raise ValueError(
-            f"the target routes every token to all {engine.num_experts} experts: nothing to "
-            "select or scale"
-        )
+    engine = open_engine(cfg, "sweep")
     bad = [r for r in cfg["ep_sizes"] if engine.num_experts % r]
     if bad:
         raise ValueError(
