@@ -3,13 +3,9 @@ KV-list kernels (sglang_ecospec.cpu_dev.kernels) against the Triton kernels. Wit
 the kernels run under Triton's interpreter, which must be switched on before triton is
 imported, so that comparison runs in a fresh interpreter (:func:`compare_with_triton`)."""
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
+from _util import compared_under_interpreter
 from sglang_ecospec.cpu_dev import kernels
 
 # --- shared-expert gate --------------------------------------------------------------------
@@ -165,21 +161,7 @@ def compare_with_triton() -> int:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs without a GPU")
 def test_pytorch_versions_match_the_triton_kernels_under_the_interpreter():
-    script = textwrap.dedent(
-        f"""
-        import sys, torch
-        torch.set_num_threads(1)
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
-        import test_cpu_kernels
-        print("compared", test_cpu_kernels.compare_with_triton())
-        """
-    )
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.split()[-2:] == ["compared", str(len(GATE_CASES) + len(DRAFT_CASES))]
+    assert compared_under_interpreter("test_cpu_kernels") == len(GATE_CASES) + len(DRAFT_CASES)
 
 
 # --- plain PyTorch checks (no Triton) ------------------------------------------------------
