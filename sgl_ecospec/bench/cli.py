@@ -59,9 +59,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     gen = parser.add_argument_group("decoding")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--batch-size", type=int, default=1, help="prompts per batch")
-    gen.add_argument("--topk", type=int, default=4, help="draft tree branching")
-    gen.add_argument("--steps", type=int, default=3, help="draft tree depth")
-    gen.add_argument("--budget", type=int, default=4, help="draft tokens verified per request")
+    add_tree_arguments(gen)
     gen.add_argument("--budgets", help="comma-separated budgets for the sweep and the plot")
     gen.add_argument(
         "--policy", default="confidence,ecospec", help=f"comma-separated: {', '.join(POLICIES)}"
@@ -74,12 +72,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=True,
         help="one expert buffer for the whole batch",
     )
-    models = parser.add_argument_group("models")
-    models.add_argument("--target", metavar="DIR", help="target checkpoint (default: testbed)")
-    models.add_argument("--draft", metavar="DIR", help="EAGLE-3 draft checkpoint")
-    models.add_argument("--small", action="store_true", help="use the small testbed")
-    models.add_argument("--device", default="cpu")
-    models.add_argument("--dtype", choices=DTYPES, default="float32")
+    add_model_arguments(parser)
     cost = parser.add_argument_group("cost model")
     cost.add_argument("--profile", default="qwen3-235b-a22b", help=f"one of: {', '.join(MODELS)}")
     cost.add_argument("--hardware", default="h200", help=f"{', '.join(HARDWARE)}, or e.g. 8xh200")
@@ -105,6 +98,23 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     parser.set_defaults(run=run)
     return parser
+
+
+def add_tree_arguments(group) -> None:
+    """--topk, --steps, --budget: the draft tree and its verify budget (bench and sweep)."""
+    group.add_argument("--topk", type=int, default=4, help="draft tree branching")
+    group.add_argument("--steps", type=int, default=3, help="draft tree depth")
+    group.add_argument("--budget", type=int, default=4, help="draft tokens verified per request")
+
+
+def add_model_arguments(parser) -> None:
+    """The "models" group: --target, --draft, --small, --device, --dtype (bench and sweep)."""
+    models = parser.add_argument_group("models")
+    models.add_argument("--target", metavar="DIR", help="target checkpoint (default: testbed)")
+    models.add_argument("--draft", metavar="DIR", help="EAGLE-3 draft checkpoint")
+    models.add_argument("--small", action="store_true", help="use the small testbed")
+    models.add_argument("--device", default="cpu")
+    models.add_argument("--dtype", choices=DTYPES, default="float32")
 
 
 def num_candidates(topk: int, steps: int) -> int:

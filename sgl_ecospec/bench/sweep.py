@@ -34,12 +34,13 @@ import numpy as np
 from sgl_ecospec.bench import ep_cost, metrics
 from sgl_ecospec.bench import report as bench_report
 from sgl_ecospec.bench.cli import (
-    DTYPES,
     LosslessError,
     _batches,
     _describe_mismatch,
     _greedy,
     _Progress,
+    add_model_arguments,
+    add_tree_arguments,
     num_candidates,
     open_engine,
     performance_model,
@@ -133,21 +134,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     data.add_argument("--seed", type=int, default=0, help="picks the prompt subset")
     gen = parser.add_argument_group("decoding")
     gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--topk", type=int, default=4, help="draft tree branching")
-    gen.add_argument("--steps", type=int, default=3, help="draft tree depth")
-    gen.add_argument("--budget", type=int, default=4, help="draft tokens verified per request")
+    add_tree_arguments(gen)
     gen.add_argument(
         "--share-buffer",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="one expert buffer (and one adaptive account) for the whole batch",
     )
-    models = parser.add_argument_group("models")
-    models.add_argument("--target", metavar="DIR", help="target checkpoint (default: testbed)")
-    models.add_argument("--draft", metavar="DIR", help="EAGLE-3 draft checkpoint")
-    models.add_argument("--small", action="store_true", help="use the small testbed")
-    models.add_argument("--device", default="cpu")
-    models.add_argument("--dtype", choices=DTYPES, default="float32")
+    add_model_arguments(parser)
     out = parser.add_argument_group("output")
     out.add_argument("--json", metavar="FILE", help="write the report as JSON")
     out.add_argument(
