@@ -383,15 +383,20 @@ def extend_attention_fwd(
             lse_extend[q_start : q_start + rows, :heads] = lse.T
 
 
-def extend_fallback_reason(q_extend, k_buffer, v_buffer, score_mod=None, **_) -> str | None:
-    """Why :func:`extend_attention_fwd` does not cover a call (None: it does)."""
-    if q_extend.device.type != "cpu":
+def _extend_uncovered(q, k_buffer, v_buffer, score_mod) -> str | None:
+    """What the extend kernels' PyTorch versions do not cover (None: they do)."""
+    if q.device.type != "cpu":
         return "tensors not on the CPU"
     if score_mod is not None:
         return "score_mod"
     if k_buffer.ndim != 3 or v_buffer.ndim != 3:
         return "KV buffer not [slots, heads, dim]"
     return None
+
+
+def extend_fallback_reason(q_extend, k_buffer, v_buffer, score_mod=None, **_) -> str | None:
+    """Why :func:`extend_attention_fwd` does not cover a call (None: it does)."""
+    return _extend_uncovered(q_extend, k_buffer, v_buffer, score_mod)
 
 
 def extend_attention_fwd_unified(
@@ -489,13 +494,7 @@ def extend_attention_fwd_unified(
 
 def extend_unified_fallback_reason(q, k_buffer, v_buffer, score_mod=None, **_) -> str | None:
     """Why :func:`extend_attention_fwd_unified` does not cover a call (None: it does)."""
-    if q.device.type != "cpu":
-        return "tensors not on the CPU"
-    if score_mod is not None:
-        return "score_mod"
-    if k_buffer.ndim != 3 or v_buffer.ndim != 3:
-        return "KV buffer not [slots, heads, dim]"
-    return None
+    return _extend_uncovered(q, k_buffer, v_buffer, score_mod)
 
 
 # --- installation -------------------------------------------------------------------------
