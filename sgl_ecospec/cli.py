@@ -4,7 +4,7 @@ import argparse
 import sys
 
 from sgl_ecospec.bench import cli as bench_cli
-from sgl_ecospec.bench import sweep
+from sgl_ecospec.bench import sweep, train_head
 from sgl_ecospec.costmodel import report
 from sgl_ecospec.testbed import build as testbed_build
 
@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_parser(commands)
     bench_cli.add_parser(commands)
     sweep.add_parser(commands)
+    train_head.add_parser(commands)
     testbed_build.add_parser(commands)
     return parser
 

@@ -7,8 +7,11 @@ produced during verification:
 
 - :class:`OnlineExpertPredictor`: per-token routing counts in a hashed table, plus a global
   per-layer frequency prior. Costs a gather and a top-k; needs no training to start.
-- :class:`LowRankExpertHead`: a small low-rank head on the drafter's hidden state, trained
-  offline with :func:`train_expert_head` and/or online through ``observe``.
+- :class:`LowRankExpertHead`: a small low-rank head on the drafter's hidden state and the
+  candidate token, trained offline with :func:`train_expert_head` (the CLI's
+  ``sgl-ecospec train-head``) and/or online through ``observe``.
+
+:func:`load_predictor` reads a file saved by either.
 
 Shape legend: T = tokens, L = MoE layers, E = experts per layer, K = experts per token
 (top-K), H = drafter hidden size, W = ceil(E / 64) int64 words per layer bitmap.
@@ -29,7 +32,37 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _HASH_MULT = 2654435761
 _HASH_BITS = 32
 _STATE_FORMAT = "sgl_ecospec.OnlineExpertPredictor"
+_HEAD_FORMAT = "sgl_ecospec.LowRankExpertHead"
 _STATE_VERSION = 1
+
+
+def hash_buckets(token_ids: torch.Tensor, num_buckets: int, device=None) -> torch.Tensor:
+    """Hash bucket of each token id (multiply-shift hashing).
+
+    Args:
+        token_ids: int32 or int64, shape ``[T]``.
+        num_buckets: in [1, 2**31).
+        device: where the result goes (default: the ids' device).
+
+    Returns:
+        int64, shape ``[T]``, in [0, num_buckets).
+    """
+    check_tensor("token_ids", token_ids, ndim=1, dtypes=INDEX_DTYPES)
+    # The high bits of the 32-bit product are the well mixed ones, and scaling them by
+    # num_buckets works for any bucket count, not only powers of two. int64 wraparound of
+    # the product keeps every id, even negative, in range.
+    hashed = (token_ids.to(device or token_ids.device, torch.int64) * _HASH_MULT) & (
+        2**_HASH_BITS - 1
+    )
+    return (hashed * num_buckets) >> _HASH_BITS
+
+
+def _check_buckets(name: str, value: int, minimum: int) -> int:
+    check_int(name, value, minimum=minimum)
+    if value >= 2**31:
+        # The bucket index is (32-bit hash * buckets) >> 32, which must fit in int64.
+        raise ValueError(f"{name} must be < 2**31, got {value}")
+    return value
 
 
 def topk_recall(pred_ids: torch.Tensor, true_ids: torch.Tensor, num_experts: int) -> float:
@@ -91,7 +124,11 @@ class ExpertPredictor(abc.ABC):
         num_experts: E, experts per layer.
         top_k: K, experts the target activates per token and layer (and that
             :meth:`predict_topk` returns).
+        needs_hidden: whether predictions read the drafter hidden states (callers that
+            have none can skip the predictor).
     """
+
+    needs_hidden = False
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int):
         self.num_layers = check_int("num_layers", num_layers, minimum=1)
@@ -240,10 +277,7 @@ class OnlineExpertPredictor(ExpertPredictor):
         device: str | torch.device = "cpu",
     ):
         super().__init__(num_layers, num_experts, top_k)
-        self.num_buckets = check_int("num_buckets", num_buckets, minimum=1)
-        if num_buckets >= 2**31:
-            # The bucket index is (32-bit hash * num_buckets) >> 32, which must fit in int64.
-            raise ValueError(f"num_buckets must be < 2**31, got {num_buckets}")
+        self.num_buckets = _check_buckets("num_buckets", num_buckets, minimum=1)
         if isinstance(prior_weight, bool) or not isinstance(prior_weight, int | float):
             raise TypeError(f"prior_weight must be a number, got {type(prior_weight).__name__}")
         if not (math.isfinite(prior_weight) and prior_weight >= 0):
@@ -270,20 +304,15 @@ class OnlineExpertPredictor(ExpertPredictor):
         }
 
     def bucket_ids(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Hash bucket of each token.
+        """Hash bucket of each token (:func:`hash_buckets`).
 
         Args:
             token_ids: int32 or int64, shape ``[T]``.
 
         Returns:
-            int64, shape ``[T]``, in [0, num_buckets).
+            int64, shape ``[T]``, in [0, num_buckets), on the predictor's device.
         """
-        check_tensor("token_ids", token_ids, ndim=1, dtypes=INDEX_DTYPES)
-        # Multiply-shift hashing: the high bits of the 32-bit product are the well mixed
-        # ones, and scaling them by num_buckets works for any bucket count, not only powers
-        # of two. int64 wraparound of the product keeps every id, even negative, in range.
-        hashed = (token_ids.to(self.device, torch.int64) * _HASH_MULT) & (2**_HASH_BITS - 1)
-        return (hashed * self.num_buckets) >> _HASH_BITS
+        return hash_buckets(token_ids, self.num_buckets, self.device)
 
     def predict_topk(
         self,
@@ -401,37 +430,58 @@ class OnlineExpertPredictor(ExpertPredictor):
             FileNotFoundError: no file at ``path``.
             ValueError: the file is not a predictor state or does not fit the model.
         """
-        if not os.path.isfile(path):
-            raise FileNotFoundError(
-                f"no expert predictor state at {os.fspath(path)!r}: check the path, or start "
-                f"a fresh OnlineExpertPredictor and save() it once it has observed traffic"
-            )
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        source = f"predictor file {os.fspath(path)!r}"
-        _check_state_header(state, source)
         expected = {"num_layers": num_layers, "num_experts": num_experts, "top_k": top_k}
-        diffs = _config_diffs(state["config"], {k: v for k, v in expected.items() if v is not None})
-        if diffs:
-            raise ValueError(
-                f"{source} was learnt for a different model ({diffs}); delete it or point to "
-                f"the file saved for this model, or start a fresh predictor"
-            )
+        state, source = _read_state(path, _STATE_FORMAT, expected)
         predictor = cls(**state["config"], device=device)
         predictor.load_state_dict(state, source=source)
         return predictor
 
 
-def _check_state_header(state, source: str) -> None:
-    if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
-        raise ValueError(
-            f"{source} is not an OnlineExpertPredictor state (write one with "
-            f"OnlineExpertPredictor.save)"
-        )
+def _check_state_header(state, source: str, fmt: str = _STATE_FORMAT) -> None:
+    kind = fmt.rsplit(".", 1)[-1]
+    if not isinstance(state, dict) or state.get("format") != fmt:
+        raise ValueError(f"{source} is not a saved {kind} (write one with {kind}.save)")
     if state.get("version") != _STATE_VERSION:
         raise ValueError(
             f"{source} has format version {state.get('version')}, this code reads version "
             f"{_STATE_VERSION}: re-create it with this version of sgl_ecospec"
         )
+
+
+def _read_state(path: str | os.PathLike, fmt: str, expected: dict) -> tuple[dict, str]:
+    """(state, source) of a saved predictor file of format ``fmt`` whose config matches
+    the non-None entries of ``expected``."""
+    state = _torch_load(path)
+    source = f"predictor file {os.fspath(path)!r}"
+    _check_state_header(state, source, fmt)
+    wanted = {key: value for key, value in expected.items() if value is not None}
+    diffs = _config_diffs(state["config"], wanted)
+    if diffs:
+        raise ValueError(
+            f"{source} was learnt for a different model ({diffs}); delete it or point to "
+            f"the file saved for this model, or start a fresh predictor"
+        )
+    return state, source
+
+
+def _file_format(path: str | os.PathLike) -> str | None:
+    state = _torch_load(path)
+    return state.get("format") if isinstance(state, dict) else None
+
+
+def _torch_load(path: str | os.PathLike):
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"no expert predictor file at {os.fspath(path)!r}: check the path, or write one "
+            f"(OnlineExpertPredictor.save, LowRankExpertHead.save, or the CLI's "
+            f"`sgl-ecospec bench --save-predictor` / `sgl-ecospec train-head`)"
+        )
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises several types for a foreign file
+        raise ValueError(
+            f"{os.fspath(path)!r} is not a predictor file torch can read: {error}"
+        ) from None
 
 
 def _config_diffs(saved: dict, wanted: dict) -> str:
@@ -443,11 +493,14 @@ def _config_diffs(saved: dict, wanted: dict) -> str:
 
 
 class LowRankExpertHead(torch.nn.Module, ExpertPredictor):
-    """Per-layer expert logits from the drafter's hidden state, through a low-rank bottleneck.
+    """Per-layer expert logits from a candidate's context (drafter hidden state) and token.
 
-    ``hidden [T, H] -> Linear(H, rank, bias=False) -> Linear(rank, L * E) -> [T, L, E]``.
-    The bottleneck keeps the head small (``rank * (H + L * E)`` weights) while sharing what
-    the hidden state says about routing across all layers.
+    ``z = down(hidden) + token_embedding[bucket(token)]`` (width ``rank``), then
+    ``logits = up(silu(z))`` read as ``[T, L, E]``. ``hidden`` is the drafter state that
+    proposed the candidate, so siblings share it: the token term is what tells them apart
+    (early MoE layers route mostly by token), the hidden term what tells apart one token in
+    different contexts (which a count table per token cannot). The bottleneck keeps the head
+    small (``rank * (H + buckets + L * E)`` weights) and shares what it learns across layers.
 
     Args:
         hidden_size: H.
@@ -455,8 +508,14 @@ class LowRankExpertHead(torch.nn.Module, ExpertPredictor):
         num_experts: E.
         top_k: K.
         rank: bottleneck width.
-        lr: Adam learning rate of the online steps taken by :meth:`observe`.
+        token_buckets: rows of the hashed token embedding (the same hash as
+            :class:`OnlineExpertPredictor`); 0 = no token term (hidden states only, and
+            token ids become optional).
+        lr: Adam learning rate of the online steps :meth:`observe` takes; 0 = frozen (the
+            head predicts only; ``observe`` checks its inputs and changes nothing).
     """
+
+    needs_hidden = True
 
     def __init__(
         self,
@@ -466,6 +525,7 @@ class LowRankExpertHead(torch.nn.Module, ExpertPredictor):
         top_k: int,
         *,
         rank: int = 64,
+        token_buckets: int = 4096,
         lr: float = 1e-3,
     ):
         # nn.Module.__init__ does not chain to the other base, so both run explicitly.
@@ -473,25 +533,44 @@ class LowRankExpertHead(torch.nn.Module, ExpertPredictor):
         ExpertPredictor.__init__(self, num_layers, num_experts, top_k)
         self.hidden_size = check_int("hidden_size", hidden_size, minimum=1)
         self.rank = check_int("rank", rank, minimum=1)
-        if not (isinstance(lr, int | float) and lr > 0):
-            raise ValueError(f"lr must be a positive number, got {lr!r}")
+        self.token_buckets = _check_buckets("token_buckets", token_buckets, minimum=0)
+        if isinstance(lr, bool) or not (isinstance(lr, int | float) and lr >= 0):
+            raise ValueError(f"lr must be a number >= 0, got {lr!r}")
         self.lr = float(lr)
         self.down = torch.nn.Linear(hidden_size, rank, bias=False)
+        self.token_embedding = torch.nn.Embedding(token_buckets, rank) if token_buckets else None
         self.up = torch.nn.Linear(rank, num_layers * num_experts)
         self._optimizer: torch.optim.Optimizer | None = None
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def config(self) -> dict:
+        """The constructor arguments that fix the parameter shapes."""
+        return {
+            "hidden_size": self.hidden_size,
+            "num_layers": self.num_layers,
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "rank": self.rank,
+            "token_buckets": self.token_buckets,
+        }
+
+    def forward(self, hidden: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Expert logits.
 
         Args:
             hidden: float, shape ``[T, H]``.
+            token_ids: int32 or int64, shape ``[T]``; required when ``token_buckets > 0``.
 
         Returns:
             shape ``[T, L, E]``, in the head's parameter dtype.
         """
-        self._check_hidden(hidden)
-        hidden = hidden.to(self.up.weight.device, self.up.weight.dtype)
-        return self.up(self.down(hidden)).view(-1, self.num_layers, self.num_experts)
+        self._check_inputs(token_ids, hidden, validate=False)
+        weight = self.up.weight
+        z = self.down(hidden.to(weight.device, weight.dtype))
+        if self.token_embedding is not None:
+            buckets = hash_buckets(token_ids, self.token_buckets, weight.device)
+            z = z + self.token_embedding(buckets)
+        logits = self.up(torch.nn.functional.silu(z))
+        return logits.view(-1, self.num_layers, self.num_experts)
 
     def predict_topk(
         self,
@@ -503,7 +582,7 @@ class LowRankExpertHead(torch.nn.Module, ExpertPredictor):
         """Top-K experts per layer by logit.
 
         Args:
-            token_ids: int32 or int64, shape ``[T]``, or None: only checked against T.
+            token_ids: int32 or int64, shape ``[T]`` (None only without a token term).
             hidden: float, shape ``[T, H]``: drafter hidden states (required).
             validate: check token ids are >= 0 (a host sync on GPU).
 
@@ -512,7 +591,7 @@ class LowRankExpertHead(torch.nn.Module, ExpertPredictor):
         """
         self._check_inputs(token_ids, hidden, validate)
         with torch.no_grad():
-            return torch.topk(self(hidden), self.top_k, dim=-1).indices
+            return torch.topk(self(hidden, token_ids), self.top_k, dim=-1).indices
 
     def observe(
         self,
@@ -522,25 +601,81 @@ class LowRankExpertHead(torch.nn.Module, ExpertPredictor):
         *,
         validate: bool = True,
     ) -> None:
-        """One Adam step (lr = ``self.lr``) of BCE-with-logits against the true routing.
+        """One Adam step (lr = ``self.lr``) of BCE-with-logits against the true routing;
+        nothing when the head is frozen (lr 0).
 
         Args:
-            token_ids: int32 or int64, shape ``[T]``, or None: only checked against T.
+            token_ids: int32 or int64, shape ``[T]`` (None only without a token term).
             topk_ids: int32 or int64, shape ``[T, L, K]``: the target's expert ids.
             hidden: float, shape ``[T, H]``: drafter hidden states (required).
             validate: check token ids >= 0 and expert ids in [0, E) (host syncs on GPU).
         """
         num_tokens = self._check_inputs(token_ids, hidden, validate)
         self._check_topk_ids(topk_ids, num_tokens, validate)
+        if self.lr == 0:
+            return
         if self._optimizer is None:
             self._optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
         # The serving loop usually runs under inference mode, whose tensors cannot be saved
         # for backward: leave it and train on ordinary copies.
         with torch.inference_mode(False), torch.enable_grad():
-            loss = _bce_loss(self, hidden.clone(), topk_ids.clone())
+            tokens = None if token_ids is None else token_ids.clone()
+            loss = _bce_loss(self, hidden.clone(), tokens, topk_ids.clone())
             self._optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self._optimizer.step()
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes config, format version and weights (CPU tensors) with ``torch.save``."""
+        weights = {name: value.detach().cpu() for name, value in self.state_dict().items()}
+        torch.save(
+            {
+                "format": _HEAD_FORMAT,
+                "version": _STATE_VERSION,
+                "config": self.config(),
+                "weights": weights,
+            },
+            path,
+        )
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike,
+        *,
+        device: str | torch.device = "cpu",
+        lr: float = 0.0,
+        num_layers: int | None = None,
+        num_experts: int | None = None,
+        top_k: int | None = None,
+        hidden_size: int | None = None,
+    ) -> "LowRankExpertHead":
+        """Builds a head from a file written by :meth:`save`.
+
+        Args:
+            path: the file.
+            device: where the weights go.
+            lr: the loaded head's online learning rate (default 0: frozen, as trained).
+            num_layers, num_experts, top_k, hidden_size: the served target and drafter; when
+                given they must match the file's config.
+
+        Raises:
+            FileNotFoundError: no file at ``path``.
+            ValueError: the file is not a head or does not fit the model.
+        """
+        expected = {
+            "num_layers": num_layers,
+            "num_experts": num_experts,
+            "top_k": top_k,
+            "hidden_size": hidden_size,
+        }
+        state, source = _read_state(path, _HEAD_FORMAT, expected)
+        head = cls(**state["config"], lr=lr)
+        try:
+            head.load_state_dict(state["weights"])
+        except (KeyError, RuntimeError) as error:
+            raise ValueError(f"{source} has weights that do not fit its config: {error}") from None
+        return head.to(device).eval()
 
     def _check_hidden(self, hidden) -> None:
         if hidden is None:
@@ -557,21 +692,52 @@ class LowRankExpertHead(torch.nn.Module, ExpertPredictor):
 
     def _check_inputs(self, token_ids, hidden, validate: bool) -> int:
         self._check_hidden(hidden)
-        if token_ids is not None:
+        if token_ids is None:
+            if self.token_buckets:
+                raise ValueError(
+                    "this LowRankExpertHead has a token term (token_buckets="
+                    f"{self.token_buckets}): pass token_ids [T] with the hidden states"
+                )
+        else:
             self._check_token_ids(token_ids, validate, num_tokens=hidden.shape[0])
         return hidden.shape[0]
 
 
-def _bce_loss(head: LowRankExpertHead, hidden: torch.Tensor, topk_ids: torch.Tensor):
-    logits = head(hidden)
+def _bce_loss(head: LowRankExpertHead, hidden, token_ids, topk_ids: torch.Tensor):
+    logits = head(hidden, token_ids)
     target = multi_hot(topk_ids.to(logits.device), head.num_experts, validate=False)
     return torch.nn.functional.binary_cross_entropy_with_logits(logits, target.to(logits.dtype))
+
+
+def load_predictor(
+    path: str | os.PathLike,
+    *,
+    device: str | torch.device = "cpu",
+    num_layers: int | None = None,
+    num_experts: int | None = None,
+    top_k: int | None = None,
+    hidden_size: int | None = None,
+) -> ExpertPredictor:
+    """A predictor saved by :meth:`OnlineExpertPredictor.save` or
+    :meth:`LowRankExpertHead.save` (a head loads frozen), whichever the file holds.
+
+    Args: as the two ``load`` methods; ``hidden_size`` is checked for a head only.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: the file is neither kind or does not fit the model.
+    """
+    shape = {"num_layers": num_layers, "num_experts": num_experts, "top_k": top_k}
+    if _file_format(path) == _HEAD_FORMAT:
+        return LowRankExpertHead.load(path, device=device, hidden_size=hidden_size, **shape)
+    return OnlineExpertPredictor.load(path, device=device, **shape)
 
 
 def train_expert_head(
     head: LowRankExpertHead,
     hidden: torch.Tensor,
     topk_ids: torch.Tensor,
+    token_ids: torch.Tensor | None = None,
     *,
     epochs: int = 5,
     batch_size: int = 256,
@@ -580,7 +746,7 @@ def train_expert_head(
     seed: int = 0,
     progress: bool = True,
 ) -> list[dict]:
-    """Trains ``head`` offline on recorded (hidden state, routing) pairs.
+    """Trains ``head`` offline on recorded (hidden state, token, routing) triples.
 
     A random ``val_fraction`` of the tokens is held out; each epoch shuffles the rest,
     takes Adam steps of BCE-with-logits against multi-hot targets, then measures top-K
@@ -590,6 +756,7 @@ def train_expert_head(
         head: the head to train (in place).
         hidden: float, shape ``[T, H]``: drafter hidden states.
         topk_ids: int32 or int64, shape ``[T, L, K]``: the target's expert ids per token.
+        token_ids: int32 or int64, shape ``[T]``; required when the head has a token term.
         epochs: passes over the training tokens (>= 1).
         batch_size: tokens per step (>= 1).
         lr: Adam learning rate.
@@ -603,8 +770,7 @@ def train_expert_head(
     """
     if not isinstance(head, LowRankExpertHead):
         raise TypeError(f"head must be a LowRankExpertHead, got {type(head).__name__}")
-    head._check_hidden(hidden)
-    num_tokens = hidden.shape[0]
+    num_tokens = head._check_inputs(token_ids, hidden, validate=True)
     head._check_topk_ids(topk_ids, num_tokens, validate=True)
     check_int("epochs", epochs, minimum=1)
     check_int("batch_size", batch_size, minimum=1)
@@ -619,6 +785,9 @@ def train_expert_head(
             f"no training tokens left: {num_tokens} tokens with val_fraction={val_fraction}"
         )
 
+    def tokens(index):
+        return None if token_ids is None else token_ids[index]
+
     generator = torch.Generator().manual_seed(seed)
     order = torch.randperm(num_tokens, generator=generator)
     val_idx, train_idx = order[:num_val], order[num_val:]
@@ -630,7 +799,7 @@ def train_expert_head(
         loss_sum = torch.zeros((), dtype=torch.float64, device=head.up.weight.device)
         for start in range(0, shuffled.numel(), batch_size):
             batch = shuffled[start : start + batch_size]
-            loss = _bce_loss(head, hidden[batch], topk_ids[batch])
+            loss = _bce_loss(head, hidden[batch], tokens(batch), topk_ids[batch])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -638,7 +807,9 @@ def train_expert_head(
             loss_sum += loss.detach().double() * batch.numel()
         head.eval()
         val_recall = (
-            head.recall(None, topk_ids[val_idx], hidden[val_idx]) if num_val else float("nan")
+            head.recall(tokens(val_idx), topk_ids[val_idx], hidden[val_idx])
+            if num_val
+            else float("nan")
         )
         record = {
             "epoch": epoch,

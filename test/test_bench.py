@@ -177,6 +177,8 @@ def test_defaults_validate():
         (["--hardware", "a100"], "unknown hardware 'a100'"),
         (["--dataset", "gsm8k,gsm8k"], "listed twice"),
         (["--save-predictor", "p.pt", "--predictor", "oracle"], "writes the online predictor"),
+        (["--predictor", "head"], "--predictor head needs --predictor-file"),
+        (["--predictor", "oracle", "--predictor-file", "p.pt"], "drop --predictor-file"),
     ],
 )
 def test_invalid_arguments(argv, message):
@@ -440,6 +442,38 @@ def test_bench_end_to_end_on_tiny_models(tiny_models, tmp_path, capsys):
     )
     assert saved.observe_calls > 0
     assert EcoSpecSettings(predictor_file=str(tmp_path / "predictor.pt")).predictor_file
+
+
+def test_train_head_then_bench_with_it(tiny_models, tmp_path, capsys):
+    from sgl_ecospec.cli import main
+    from sgl_ecospec.predictor import LowRankExpertHead
+
+    root = tiny_models
+    models = ["--target", str(root / "target"), "--draft", str(root / "draft")]
+    head_file, train_json = tmp_path / "head.pt", tmp_path / "train.json"
+    argv = ["train-head", *models, "--dataset", str(root / "prompts.jsonl"), "--num-prompts", "3"]
+    argv += ["--max-new-tokens", "12", "--batch-size", "2", "--rank", "8", "--epochs", "3"]
+    argv += ["--token-buckets", "64", "--out", str(head_file), "--json", str(train_json)]
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    assert "recording: batch 2/2" in out.err and "head held-out recall" in out.out
+    report = json.loads(train_json.read_text())
+    assert report["recorded_rows"] > 10 and len(report["history"]) == 3
+    assert 0.0 < report["online_recall"] <= 1.0 and 0.0 < report["val_recall"] <= 1.0
+    head = LowRankExpertHead.load(head_file, num_layers=4, num_experts=16, top_k=4)
+    assert head.rank == 8 and head.token_buckets == 64
+
+    bench_json = tmp_path / "bench.json"
+    argv = ["bench", *models, "--prompts", str(root / "prompts.jsonl"), "--num-prompts", "3"]
+    argv += ["--max-new-tokens", "8", "--batch-size", "2", "--check-lossless"]
+    argv += ["--predictor", "head", "--predictor-file", str(head_file), "--json", str(bench_json)]
+    assert main(argv) == 0
+    policies = json.loads(bench_json.read_text())["policies"]
+    for run in policies.values():
+        assert run["lossless"] is True and 0.0 < run["predictor_recall"] <= 1.0
+    # The file's kind must match --predictor.
+    assert main([*argv[:-4], "--predictor", "online", "--predictor-file", str(head_file)]) == 2
+    assert "holds a LowRankExpertHead; pass --predictor head" in capsys.readouterr().err
 
 
 def test_default_models_are_the_testbed(monkeypatch, tmp_path):

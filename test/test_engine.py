@@ -130,6 +130,25 @@ def test_lossless(setup, greedy, batch, policy, predictor):
         assert 0.0 < result.predictor_recall < 1.0
 
 
+def test_head_predictor_reads_draft_states_and_learns(setup, greedy):
+    from sgl_ecospec.predictor import LowRankExpertHead
+
+    _, engine = setup
+    hidden = engine.draft.config.hidden_size
+    torch.manual_seed(0)
+    head = LowRankExpertHead(hidden, engine.num_layers, engine.num_experts, TOP_K, lr=1e-2)
+    before = [p.clone() for p in head.parameters()]
+    spec = SpecConfig(topk=4, num_steps=3, num_draft_tokens=5, policy="ecospec")
+    result = engine.generate_speculative(PROMPTS, MAX_NEW, spec, head)
+    assert result.outputs == greedy[3].outputs
+    assert 0.0 < result.predictor_recall < 1.0
+    # observe got the verified rows' draft states and took Adam steps on them.
+    assert not all(torch.equal(a, b) for a, b in zip(before, head.parameters(), strict=True))
+    wrong = LowRankExpertHead(hidden + 1, engine.num_layers, engine.num_experts, TOP_K)
+    with pytest.raises(ValueError, match=f"draft states of size {hidden + 1}.*train-head"):
+        engine.generate_speculative(PROMPTS, MAX_NEW, spec, wrong)
+
+
 @pytest.mark.parametrize(
     "spec",
     [
@@ -338,9 +357,15 @@ def test_oracle_refuses_unprimed_rows():
 # --- the tree is SGLang's -----------------------------------------------------------------
 
 
+def beam_states(batch, topk, step):
+    """``[B, k, 1]`` draft states of a step's beams, each its flat row id + 100 * step."""
+    return (torch.arange(batch * topk).float() + 100 * step).view(batch, topk, 1)
+
+
 def random_expand(batch, topk, steps, seed):
     """Draft stand-in: per step, random descending probabilities and token ids for each
-    beam's children; records the beams it is asked to expand."""
+    beam's children, and as each beam's draft state its flat row id plus 100 * step;
+    records the beams it is asked to expand."""
     gen = torch.Generator().manual_seed(seed)
     draws = [
         (
@@ -353,7 +378,7 @@ def random_expand(batch, topk, steps, seed):
 
     def expand(step, beam_tokens, parent_beam):
         calls.append((beam_tokens.clone(), parent_beam.clone()))
-        return draws[step]
+        return *draws[step], beam_states(batch, topk, step)
 
     return draws, calls, expand
 
@@ -369,13 +394,17 @@ def test_tree_equals_sglang_select_top_k_tokens(batch, topk, steps, num_draft):
     root_p = torch.rand(batch, topk, generator=gen).sort(-1, descending=True).values
     root_ids = torch.randint(0, 1000, (batch, topk), generator=gen)
     draws, calls, expand = random_expand(batch, topk, steps, seed=topk)
-    tree = grow_tree(root_p, root_ids, expand, steps)
+    root_hidden = -1.0 - torch.arange(batch).float()[:, None]
+    tree = grow_tree(root_p, root_ids, root_hidden, expand, steps)
 
     lists = ([], [], [])
     topk_p, topk_index, scores = root_p, root_ids, None
-    hidden = torch.zeros(batch, 1)
+    hidden = root_hidden
+    proposers = []  # [B, candidates of the step, 1]: the state each candidate came from
     with torch.compiler.set_stance("force_eager"):
         for i in range(steps):
+            per_request = hidden.view(batch, -1, 1)  # [B, 1 or k, 1]
+            proposers.append(per_request.repeat_interleave(topk, 1))
             input_ids, hidden, scores, info = select_top_k_tokens(
                 i, topk_p, topk_index, hidden, scores, topk
             )
@@ -387,14 +416,16 @@ def test_tree_equals_sglang_select_top_k_tokens(batch, topk, steps, num_draft):
             assert torch.equal(input_ids, beam_tokens.flatten())
             if i > 0:  # which previous beam's draft output each beam reads
                 offsets = torch.arange(batch)[:, None] * topk
-                assert torch.equal(hidden.flatten().long(), (parent_beam + offsets).flatten())
-            # The draft "runs" on the beams: each row's output hidden is its flat row id.
+                rows = hidden.flatten().long() - 100 * (i - 1)
+                assert torch.equal(rows, (parent_beam + offsets).flatten())
+            # The draft "runs" on the beams (states from beam_states).
             topk_p, topk_index = draws[i][0].flatten(0, 1), draws[i][1].flatten(0, 1)
-            hidden = torch.arange(batch * topk).float()[:, None]
+            hidden = beam_states(batch, topk, i).flatten(0, 1)
     assert len(calls) == steps - 1
     assert tree.scores.shape == (batch, num_candidates(topk, steps))
     assert torch.equal(tree.scores, torch.cat(lists[0], 1).flatten(1))
     assert torch.equal(tree.tokens, torch.cat(lists[1], 1))
+    assert torch.equal(tree.hidden, torch.cat(proposers, 1))
 
     parent_list, top_index, draft_tokens = organize_draft_results(*lists, num_draft)
     if steps > 1:
@@ -435,14 +466,18 @@ def test_drafter_beams_see_the_rows_their_mode_says(setup, tree_attention):
     original = drafter._expand
 
     def spy(step, beam_tokens, parent_beam):
-        probs, children = original(step, beam_tokens, parent_beam)
+        probs, children, beam_states = original(step, beam_tokens, parent_beam)
         hidden = root_hidden.expand(topk, -1) if step == 0 else outputs[-1][2][parent_beam[0]]
-        outputs.append((beam_tokens[0], hidden, drafter._beam_hidden[0], parent_beam[0], probs[0]))
-        return probs, children
+        outputs.append((beam_tokens[0], hidden, beam_states[0], parent_beam[0], probs[0]))
+        return probs, children, beam_states
 
     drafter._expand = spy
-    drafter.grow(steps)
+    tree = drafter.grow(steps)
     assert drafter.cache.pending == 0 and int(drafter.cache.lengths[0]) == prompt.shape[1]
+    # Each candidate carries the draft state that proposed it: the root's, then its beam's.
+    proposers = [root_hidden.expand(topk, -1)]
+    proposers += [out[2].repeat_interleave(topk, 0) for out in outputs]
+    assert torch.equal(tree.hidden[0], torch.cat(proposers))
 
     prefix_len = prompt.shape[1]
     for step, (*_, probs) in enumerate(outputs):
@@ -481,6 +516,7 @@ def test_verify_tree_and_greedy_accept():
         scores=torch.tensor([[0.6, 0.3, 0.5, 0.4, 0.2]]),
         tokens=torch.tensor([[10, 11, 12, 13, 14]]),
         parents=torch.tensor([[-1, -1, 0, 2, 1]]),
+        hidden=torch.zeros(1, 5, 2),
     )
     verify = build_verify_tree(torch.tensor([9]), tree, torch.tensor([[0, 1, 2, 3, -1]]))
     assert verify.tokens[:, :5].tolist() == [[9, 10, 11, 12, 13]]  # the padding row is arbitrary

@@ -7,6 +7,7 @@ from sgl_ecospec.predictor import (
     ExpertPredictor,
     LowRankExpertHead,
     OnlineExpertPredictor,
+    load_predictor,
     multi_hot,
     topk_recall,
     train_expert_head,
@@ -221,7 +222,7 @@ def test_online_save_load_round_trip(tmp_path):
 
 def test_online_load_errors(tmp_path):
     missing = tmp_path / "nope.pt"
-    with pytest.raises(FileNotFoundError, match="nope.pt.*fresh OnlineExpertPredictor"):
+    with pytest.raises(FileNotFoundError, match="nope.pt.*OnlineExpertPredictor.save"):
         OnlineExpertPredictor.load(missing)
     path = tmp_path / "pred.pt"
     OnlineExpertPredictor(L, E, K, num_buckets=32).save(path)
@@ -232,7 +233,7 @@ def test_online_load_errors(tmp_path):
         other.load_state_dict(torch.load(path), source=f"predictor file {path}")
     junk = tmp_path / "junk.pt"
     torch.save({"counts": torch.zeros(1)}, junk)
-    with pytest.raises(ValueError, match="junk.pt.*not an OnlineExpertPredictor state"):
+    with pytest.raises(ValueError, match="junk.pt.*not a saved OnlineExpertPredictor"):
         OnlineExpertPredictor.load(junk)
 
 
@@ -283,7 +284,7 @@ def clustered_data(num_tokens, seed=0, num_clusters=8):
 def test_head_trains_to_high_recall(capsys):
     torch.manual_seed(0)
     hidden, routing = clustered_data(2000)
-    head = LowRankExpertHead(H, L, E, K, rank=16)
+    head = LowRankExpertHead(H, L, E, K, rank=16, token_buckets=0)
     untrained = head.recall(None, routing, hidden)
     assert untrained < 0.4  # chance is K / E = 0.125
     history = train_expert_head(head, hidden, routing, epochs=5, batch_size=128, lr=1e-2)
@@ -298,7 +299,7 @@ def test_head_trains_to_high_recall(capsys):
 def test_head_online_observe_learns_under_inference_mode():
     torch.manual_seed(0)
     hidden, routing = clustered_data(512, seed=3)
-    head = LowRankExpertHead(H, L, E, K, rank=16, lr=1e-2)
+    head = LowRankExpertHead(H, L, E, K, rank=16, token_buckets=0, lr=1e-2)
     before = head.recall(None, routing, hidden)
     with torch.inference_mode():
         for _ in range(30):
@@ -306,8 +307,68 @@ def test_head_online_observe_learns_under_inference_mode():
     assert head.recall(None, routing, hidden) > max(0.8, before)
 
 
+def token_and_context_data(num_tokens, seed=0, vocab=12, num_clusters=4):
+    """Routing fixed by (token, cluster): siblings share the hidden state (the cluster), so
+    only the token tells them apart, and one token routes differently per cluster."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(num_clusters, H, generator=g) * 3
+    routes = torch.stack(
+        [torch.randperm(E, generator=g)[:K] for _ in range(vocab * num_clusters * L)]
+    )
+    routes = routes.view(vocab, num_clusters, L, K)
+    cluster = torch.randint(0, num_clusters, (num_tokens,), generator=g)
+    tokens = torch.randint(0, vocab, (num_tokens,), generator=g)
+    hidden = centres[cluster] + 0.3 * torch.randn(num_tokens, H, generator=g)
+    return tokens, hidden, routes[tokens, cluster]
+
+
+def test_head_token_term_tells_apart_siblings():
+    torch.manual_seed(0)
+    tokens, hidden, routing = token_and_context_data(4000)
+    recalls = {}
+    for buckets in (0, 256):
+        head = LowRankExpertHead(H, L, E, K, rank=32, token_buckets=buckets)
+        history = train_expert_head(
+            head, hidden, routing, tokens, epochs=8, batch_size=128, lr=1e-2, progress=False
+        )
+        recalls[buckets] = history[-1]["val_recall"]
+    assert recalls[256] > 0.85
+    assert recalls[0] < 0.6  # hidden alone cannot know which sibling token it is
+
+
+def test_head_save_load_and_load_predictor(tmp_path):
+    torch.manual_seed(0)
+    tokens, hidden, routing = token_and_context_data(512)
+    head = LowRankExpertHead(H, L, E, K, rank=8, token_buckets=64, lr=1e-2)
+    for _ in range(5):
+        head.observe(tokens, routing, hidden)
+    path = tmp_path / "head.pt"
+    head.save(path)
+    loaded = load_predictor(path, num_layers=L, num_experts=E, top_k=K, hidden_size=H)
+    assert isinstance(loaded, LowRankExpertHead) and loaded.needs_hidden
+    assert loaded.config() == head.config() and loaded.lr == 0
+    assert torch.equal(loaded.predict_topk(tokens, hidden), head.predict_topk(tokens, hidden))
+    # Loaded heads are frozen: observing changes nothing.
+    before = [p.clone() for p in loaded.parameters()]
+    loaded.observe(tokens, routing, hidden)
+    assert all(torch.equal(a, b) for a, b in zip(before, loaded.parameters(), strict=True))
+    online = tmp_path / "online.pt"
+    OnlineExpertPredictor(L, E, K, num_buckets=32).save(online)
+    assert type(load_predictor(online, num_layers=L)) is OnlineExpertPredictor
+    with pytest.raises(ValueError, match=r"head\.pt.*hidden_size: saved 32, expected 64"):
+        load_predictor(path, hidden_size=64)
+    with pytest.raises(ValueError, match=r"online\.pt.*not a saved LowRankExpertHead"):
+        LowRankExpertHead.load(online)
+    with pytest.raises(FileNotFoundError, match="nope.pt.*train-head"):
+        load_predictor(tmp_path / "nope.pt")
+    junk = tmp_path / "junk.pt"
+    junk.write_text("not a torch file")
+    with pytest.raises(ValueError, match="junk.pt.*not a predictor file torch can read"):
+        load_predictor(junk)
+
+
 def test_head_input_errors():
-    head = LowRankExpertHead(H, L, E, K, rank=4)
+    head = LowRankExpertHead(H, L, E, K, rank=4, token_buckets=0)
     tokens = torch.arange(2)
     with pytest.raises(ValueError, match=r"pass hidden \[T, 32\]"):
         head.predict_topk(tokens)
@@ -321,6 +382,11 @@ def test_head_input_errors():
         train_expert_head(head, torch.zeros(4, H), routing_of([0] * 4), val_fraction=1.0)
     with pytest.raises(ValueError, match=r"hidden must have shape \[T, 32\]"):
         train_expert_head(head, torch.zeros(4, 8), routing_of([0] * 4))
+    with_tokens = LowRankExpertHead(H, L, E, K, rank=4, token_buckets=16)
+    with pytest.raises(ValueError, match="token term.*pass token_ids"):
+        with_tokens.predict_topk(None, torch.zeros(2, H))
+    with pytest.raises(ValueError, match="lr must be a number >= 0"):
+        LowRankExpertHead(H, L, E, K, lr=-1.0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -18,7 +18,7 @@ from sgl_ecospec.costmodel.report import parse_positive_ints
 from sgl_ecospec.datasets import DATASETS, load_prompts, render_chat
 from sgl_ecospec.selection import DEFAULT_EPS, POLICIES
 
-PREDICTORS = ("online", "oracle")
+PREDICTORS = ("online", "oracle", "head")
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_PLOT = "bench_experts.png"
 NOTE = (
@@ -64,7 +64,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     gen.add_argument(
         "--policy", default="confidence,ecospec", help=f"comma-separated: {', '.join(POLICIES)}"
     )
-    gen.add_argument("--predictor", choices=PREDICTORS, default="online")
+    gen.add_argument(
+        "--predictor",
+        choices=PREDICTORS,
+        default="online",
+        help="online: routing counts learnt while decoding; oracle: the true routing; head: "
+        "a trained LowRankExpertHead (--predictor-file, from `sgl-ecospec train-head`)",
+    )
+    gen.add_argument(
+        "--predictor-file",
+        metavar="FILE",
+        help="the head for --predictor head, or a saved online predictor to start from",
+    )
     gen.add_argument("--eps", type=float, default=DEFAULT_EPS, help="EcoSpec's P / (cost + eps)")
     gen.add_argument(
         "--share-buffer",
@@ -156,6 +167,12 @@ def validate(args: argparse.Namespace) -> dict:
         raise ValueError(f"--eps must be > 0, got {args.eps}")
     if args.save_predictor and args.predictor != "online":
         raise ValueError("--save-predictor writes the online predictor; use --predictor online")
+    if args.predictor == "head" and not args.predictor_file:
+        raise ValueError("--predictor head needs --predictor-file (write one with train-head)")
+    if args.predictor == "oracle" and args.predictor_file:
+        raise ValueError("--predictor oracle reads the true routing; drop --predictor-file")
+    if args.predictor_file and not os.path.isfile(args.predictor_file):
+        raise FileNotFoundError(f"--predictor-file {args.predictor_file!r} does not exist")
     if (args.target is None) != (args.draft is None):
         raise ValueError("give both --target and --draft, or neither (the testbed)")
     if args.small and args.target:
@@ -178,6 +195,7 @@ def validate(args: argparse.Namespace) -> dict:
         "budgets": budgets,
         "policies": policies,
         "predictor": args.predictor,
+        "predictor_file": args.predictor_file,
         "eps": args.eps,
         "share_buffer": args.share_buffer,
         "target": args.target,
@@ -284,7 +302,9 @@ def _speculative(cfg, engine, budget, policy, batches, prompts, greedy, progress
     # A fresh predictor per run, learning over all of its batches: every policy starts
     # from the same state and sees the same prompts.
     predictor = cfg["predictor"]
-    if predictor == "online":
+    if cfg.get("predictor_file"):
+        predictor = load_run_predictor(cfg, engine)
+    elif predictor == "online":
         predictor = OnlineExpertPredictor(
             engine.num_layers, engine.num_experts, engine.top_k, device=cfg["device"]
         )
@@ -335,6 +355,29 @@ def _speculative(cfg, engine, budget, policy, batches, prompts, greedy, progress
         "steps": steps,  # popped by run_bench after pricing
         "predictor": predictor,  # popped by run_bench
     }
+
+
+def load_run_predictor(cfg: dict, engine):
+    """``--predictor-file`` loaded for ``engine``'s target and draft, and of the kind
+    ``--predictor`` names (a head, or an online table to start from)."""
+    from sgl_ecospec.predictor import LowRankExpertHead, load_predictor
+
+    predictor = load_predictor(
+        cfg["predictor_file"],
+        device=cfg["device"],
+        num_layers=engine.num_layers,
+        num_experts=engine.num_experts,
+        top_k=engine.top_k,
+        hidden_size=engine.draft.config.hidden_size,
+    )
+    is_head = isinstance(predictor, LowRankExpertHead)
+    if is_head != (cfg["predictor"] == "head"):
+        kind = "a LowRankExpertHead" if is_head else "an online predictor table"
+        raise ValueError(
+            f"--predictor-file {cfg['predictor_file']!r} holds {kind}; pass --predictor "
+            f"{'head' if is_head else 'online'}"
+        )
+    return predictor
 
 
 def run_bench(cfg: dict, engine, prompts: dict, *, out=None) -> dict:

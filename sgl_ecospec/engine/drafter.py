@@ -97,7 +97,9 @@ class Drafter:
     @torch.no_grad()
     def grow(self, num_steps: int) -> DraftTree:
         """The candidate tree of every request (see ``tree.grow_tree``)."""
-        tree = grow_tree(self.root_probs, self.root_tokens, self._expand, num_steps)
+        tree = grow_tree(
+            self.root_probs, self.root_tokens, self.root_hidden, self._expand, num_steps
+        )
         lengths = self.cache.lengths
         self.cache.commit(lengths.new_empty(lengths.shape[0], 0))
         return tree
@@ -111,7 +113,8 @@ class Drafter:
 
     def _expand(self, step: int, beam_tokens: torch.Tensor, parent_beam: torch.Tensor):
         """One draft forward over the k beams of ``step`` (``tree.Expand``): beam tokens and
-        parent beams ``[B, k]`` -> children probabilities and target ids ``[B, k, k]``."""
+        parent beams ``[B, k]`` -> children probabilities and target ids ``[B, k, k]``, and
+        the beams' draft states ``[B, k, H]``."""
         batch, topk = beam_tokens.shape
         slot = torch.arange(topk, device=beam_tokens.device)[None, :, None].expand(batch, -1, 1)
         if step == 0:
@@ -142,7 +145,7 @@ class Drafter:
         )
         self.cache.update(out.key, out.value, 0)
         self._beam_hidden = out.hidden
-        return self._top_children(out.logits)
+        return *self._top_children(out.logits), out.hidden
 
     def _top_children(self, logits: torch.Tensor):
         # SGLang's draft: softmax over the draft vocabulary, top-k, then map to target ids.

@@ -16,7 +16,7 @@ One speculative step for a batch (all requests in lockstep, as SGLang's worker r
    the target cache keeps exactly the root and the accepted tokens;
 6. record and learn: accepted counts, distinct experts per layer over all verified tokens
    of the batch (and their union bitmap, for per-rank loads), predictor recall on them;
-   the predictor observes their routing;
+   the predictor observes their routing (with their draft states);
 7. draft extend: the draft reads the accepted rows' aux states, which seeds the next root.
 
 Shape legend: B = requests, P = longest prompt, T = verify rows, N = candidates, L = MoE
@@ -209,7 +209,10 @@ class OfflineEngine:
             drafts then the bonus token).
         """
         tree = drafter.grow(spec.num_steps)
-        predicted = self._predict(predictor, roots, tree, cache)  # [B, 1 + N, L, K]
+        # The draft states behind the predictions: the root's own (after reading the root),
+        # then the one that proposed each candidate.
+        hidden = torch.cat([drafter.root_hidden[:, None], tree.hidden], 1)  # [B, 1 + N, H]
+        predicted = self._predict(predictor, roots, tree, hidden, cache)  # [B, 1 + N, L, K]
         bitmaps = topk_to_bitmap(predicted, self.num_experts, validate=False)
         selected = select_verify_set(
             tree.scores,
@@ -235,9 +238,11 @@ class OfflineEngine:
         # for the experts loaded and feeds the predictor.
         routing = out.routing[verify.valid]  # [verified, L, K]
         batch = _batch_index(selected)
-        row_guess = torch.cat([predicted[:, :1], predicted[batch, 1 + selected.clamp_min(0)]], 1)
+        rows = torch.cat([torch.zeros_like(selected[:, :1]), 1 + selected.clamp_min(0)], 1)
+        row_guess = predicted[batch, rows]  # [B, T, L, K]
         recall = topk_recall(row_guess[verify.valid], routing, self.num_experts)
-        predictor.observe(verify.tokens[verify.valid], routing, validate=False)
+        row_hidden = hidden[batch, rows][verify.valid]  # [verified, H]
+        predictor.observe(verify.tokens[verify.valid], routing, row_hidden, validate=False)
 
         cache.commit(path)
         drafter.extend(emitted, out.aux[batch, path.clamp_min(0)], counts)
@@ -297,9 +302,15 @@ class OfflineEngine:
         return torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=self.device)
 
     def _predict(
-        self, predictor: ExpertPredictor, roots: torch.Tensor, tree: DraftTree, cache: BatchKVCache
+        self,
+        predictor: ExpertPredictor,
+        roots: torch.Tensor,
+        tree: DraftTree,
+        hidden: torch.Tensor,
+        cache: BatchKVCache,
     ) -> torch.Tensor:
-        """Predicted experts ``[B, 1 + N, L, K]`` of each request's root and candidates."""
+        """Predicted experts ``[B, 1 + N, L, K]`` of each request's root and candidates
+        (``hidden [B, 1 + N, H]``: their draft states, read by predictors that need them)."""
         tokens = torch.cat([roots[:, None], tree.tokens], 1)
         if isinstance(predictor, OracleExpertPredictor):
             everything = torch.arange(tree.tokens.shape[1], device=self.device)
@@ -309,7 +320,8 @@ class OfflineEngine:
             )
             cache.commit(cache.lengths.new_empty(tokens.shape[0], 0))
             predictor.prime(tokens.flatten(), out.routing.flatten(0, 1))
-        flat = predictor.predict_topk(tokens.flatten(), validate=False)
+        states = hidden.flatten(0, 1) if predictor.needs_hidden else None
+        flat = predictor.predict_topk(tokens.flatten(), states, validate=False)
         return flat.view(*tokens.shape, *flat.shape[1:])
 
     def _resolve_predictor(self, predictor: ExpertPredictor | str) -> ExpertPredictor:
@@ -327,6 +339,13 @@ class OfflineEngine:
                 f"predictor is for (layers, experts, top_k) = "
                 f"{(predictor.num_layers, predictor.num_experts, predictor.top_k)}, the target "
                 f"has {shape}"
+            )
+        draft_size = self.draft.config.hidden_size
+        size = getattr(predictor, "hidden_size", None)  # a head's; a wrapper may have none
+        if predictor.needs_hidden and size is not None and size != draft_size:
+            raise ValueError(
+                f"predictor reads draft states of size {size}, the draft's "
+                f"are {draft_size}: train it on this draft (sgl-ecospec train-head)"
             )
         return predictor
 

@@ -25,17 +25,23 @@ import torch
 
 class DraftTree(NamedTuple):
     """scores float ``[B, N]`` (cumulative draft probabilities), tokens int64 ``[B, N]``
-    (target vocabulary), parents int64 ``[B, N]`` (-1 = child of the root)."""
+    (target vocabulary), parents int64 ``[B, N]`` (-1 = child of the root), hidden float
+    ``[B, N, H]``: the draft state that proposed each candidate (the root's for step 0, the
+    parent beam's after it), what :class:`sgl_ecospec.predictor.LowRankExpertHead` reads."""
 
     scores: torch.Tensor
     tokens: torch.Tensor
     parents: torch.Tensor
+    hidden: torch.Tensor
 
 
-# expand(step, beam_tokens [B, k], parent_beam [B, k]) -> (probs [B, k, k], tokens [B, k, k]):
-# runs the draft on the beams of ``step`` (parent_beam: which beam of step - 1 each extends;
-# unused at step 0, where every beam extends the root) and returns each beam's top-k children.
-Expand = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# expand(step, beam_tokens [B, k], parent_beam [B, k]) -> (probs [B, k, k], tokens [B, k, k],
+# hidden [B, k, H]): runs the draft on the beams of ``step`` (parent_beam: which beam of
+# step - 1 each extends; unused at step 0, where every beam extends the root) and returns each
+# beam's top-k children and the beam's draft state, which proposed them.
+Expand = Callable[
+    [int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+]
 
 
 def num_candidates(topk: int, num_steps: int) -> int:
@@ -44,13 +50,18 @@ def num_candidates(topk: int, num_steps: int) -> int:
 
 
 def grow_tree(
-    root_probs: torch.Tensor, root_tokens: torch.Tensor, expand: Expand, num_steps: int
+    root_probs: torch.Tensor,
+    root_tokens: torch.Tensor,
+    root_hidden: torch.Tensor,
+    expand: Expand,
+    num_steps: int,
 ) -> DraftTree:
     """Grows the candidate tree of every request.
 
     Args:
         root_probs: float ``[B, k]``: the root's top-k draft probabilities, descending.
         root_tokens: int64 ``[B, k]``: their target token ids.
+        root_hidden: float ``[B, H]``: the draft state that proposed them.
         expand: runs one draft step on the current beams (see ``Expand``).
         num_steps: draft depth (>= 1).
     """
@@ -59,18 +70,22 @@ def grow_tree(
     beam_nodes = torch.arange(topk, device=root_probs.device).expand(batch, topk)
     parent_beam = beam_nodes
     scores, tokens, parents = [root_probs], [root_tokens], [torch.full_like(root_tokens, -1)]
+    hidden = [root_hidden[:, None].expand(-1, topk, -1)]
     for step in range(1, num_steps):
-        probs, children = expand(step - 1, beam_tokens, parent_beam)
+        probs, children, beam_hidden = expand(step - 1, beam_tokens, parent_beam)
         cumulative = (beam_scores[:, :, None] * probs).flatten(1)  # [B, k*k]
         children = children.flatten(1)
         scores.append(cumulative)
         tokens.append(children)
         parents.append(beam_nodes.repeat_interleave(topk, 1))
+        hidden.append(beam_hidden.repeat_interleave(topk, 1))
         beam_scores, best = torch.topk(cumulative, topk, dim=-1)
         beam_tokens = children.gather(1, best)
         parent_beam = best // topk
         beam_nodes = num_candidates(topk, step) + best
-    return DraftTree(torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1))
+    return DraftTree(
+        torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(hidden, 1)
+    )
 
 
 class VerifyTree(NamedTuple):
