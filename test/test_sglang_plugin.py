@@ -149,10 +149,12 @@ def sglang_draft_tree(batch, topk, steps, seed, vocab=1000):
     return score_list, token_list, parents_list
 
 
-def make_selector(policy="confidence", share_buffer=True, num_experts=16, max_batch=8):
+def make_selector(policy="confidence", share_buffer=True, num_experts=16, max_batch=8, ndt=8):
     predictor = OnlineExpertPredictor(2, num_experts, 2, num_buckets=64)
     settings = EcoSpecSettings(policy=policy, share_buffer=share_buffer, log_interval=0)
-    return selection.EcoSpecSelector(settings, predictor, topk=3, max_batch=max_batch, device="cpu")
+    return selection.EcoSpecSelector(
+        settings, predictor, topk=3, num_draft_tokens=ndt, max_batch=max_batch, device="cpu"
+    )
 
 
 @pytest.mark.parametrize("batch, steps, ndt", [(1, 3, 6), (3, 4, 8), (2, 1, 3), (5, 2, 10)])
@@ -207,7 +209,9 @@ def test_ecospec_prefers_the_candidate_that_adds_fewer_experts():
     predictor.observe(torch.tensor([1, 10, 11]), torch.tensor([[[0, 1]], [[4, 5]], [[0, 1]]]))
     for policy, want in [("confidence", 10), ("ecospec", 11)]:
         settings = EcoSpecSettings(policy=policy, log_interval=0)
-        selector = selection.EcoSpecSelector(settings, predictor, topk=2, max_batch=2, device="cpu")
+        selector = selection.EcoSpecSelector(
+            settings, predictor, topk=2, num_draft_tokens=2, max_batch=2, device="cpu"
+        )
         selector.set_roots(torch.tensor([1]))
         _, _, draft_tokens = selector.organize(score_list, token_list, parents_list, 2)
         assert draft_tokens.tolist() == [[want]]
@@ -267,7 +271,7 @@ def test_auto_eps_is_looked_up_by_batch_size(monkeypatch):
     predictor = OnlineExpertPredictor(2, 16, 2, num_buckets=64)
     settings = EcoSpecSettings(eps="auto", profile="qwen3-30b-a3b", hardware="h200")
     selector = selection.EcoSpecSelector(
-        settings, predictor, topk=3, max_batch=8, device="cpu", eps_table=table
+        settings, predictor, topk=3, num_draft_tokens=5, max_batch=8, device="cpu", eps_table=table
     )
     for batch in (1, 3, 5):
         tree = sglang_draft_tree(batch, 3, 2, seed=batch)
@@ -276,7 +280,9 @@ def test_auto_eps_is_looked_up_by_batch_size(monkeypatch):
     assert [call["eps"] for call in calls] == [0.01, 0.02, 0.5]
     assert "expert_rank" not in calls[0]  # no EP placement: plain expert counts
     with pytest.raises(ValueError, match="eps_table is required"):
-        selection.EcoSpecSelector(settings, predictor, topk=3, max_batch=8, device="cpu")
+        selection.EcoSpecSelector(
+            settings, predictor, topk=3, num_draft_tokens=5, max_batch=8, device="cpu"
+        )
     assert eps_table.bucket_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
     assert eps_table.bucket_sizes(1) == [1]
 
@@ -388,11 +394,19 @@ def test_ep_cost_follows_the_busiest_rank_and_eplb_updates(monkeypatch):
         return selector.organize(score_list, token_list, parents_list, 2)[2].tolist()
 
     settings = EcoSpecSettings(log_interval=0)
-    plain = selection.EcoSpecSelector(settings, predictor, topk=2, max_batch=2, device="cpu")
+    plain = selection.EcoSpecSelector(
+        settings, predictor, topk=2, num_draft_tokens=2, max_batch=2, device="cpu"
+    )
     assert choose(plain) == [[10]]  # both add one expert: the higher P wins
     placement = ep_placement.ExpertPlacement(layout, [1], 8, "cpu")
     selector = selection.EcoSpecSelector(
-        settings, predictor, topk=2, max_batch=2, device="cpu", placement=placement
+        settings,
+        predictor,
+        topk=2,
+        num_draft_tokens=2,
+        max_batch=2,
+        device="cpu",
+        placement=placement,
     )
     assert choose(selector) == [[11]]  # 0.45 / (0.5 + eps) beats 0.55 / (1 + eps)
     call = calls[-1]
@@ -404,6 +418,7 @@ def test_ep_cost_follows_the_busiest_rank_and_eplb_updates(monkeypatch):
         EcoSpecSettings(log_interval=0, total_weight=1.0),
         predictor,
         topk=2,
+        num_draft_tokens=2,
         max_batch=2,
         device="cpu",
         placement=placement,
@@ -554,7 +569,8 @@ def test_verify_stats_union_and_recall():
     assert window.read() is None  # no verify step yet
     # Tokens 5 and 6 routed to {1, 2} and {2, 3}: union 3 experts; recall: token 5 fully
     # predicted (2/2), token 6 (unseen, prior says {1, 2} or similar) at least 1/2 of {2, 3}.
-    stats.update(torch.tensor([5, 6]), torch.tensor([[[1, 2]], [[2, 3]]]), predictor)
+    tokens, route = torch.tensor([5, 6]), torch.tensor([[[1, 2]], [[2, 3]]])
+    stats.update(route, predictor.predict_topk(tokens))
     summary = window.read()
     assert summary["unique_experts_per_layer"] == 3.0 and summary["verify_steps"] == 1
     assert 0.75 <= summary["predictor_recall"] <= 1.0
@@ -575,7 +591,7 @@ def test_stats_windows_read_their_own_intervals():
     ]
     for i, routes in enumerate(steps):
         route = torch.tensor(routes)
-        stats.update(torch.arange(route.shape[0]) + 10 * i, route, predictor)
+        stats.update(route, predictor.predict_topk(torch.arange(route.shape[0]) + 10 * i))
         if i == 0:
             first = early.read()
     assert first["unique_experts_per_layer"] == 1.0 and first["verify_tokens_per_step"] == 1
@@ -636,8 +652,8 @@ def decode_line_stats(monkeypatch):
     predictor = OnlineExpertPredictor(1, 8, 2, num_buckets=64)
     stats = routing.VerifyStats(8, "cpu")
     window, reference = stats.window(), stats.window()
-    stats.update(torch.tensor([1, 2]), torch.tensor([[[0, 1]], [[1, 0]]]), predictor)
-    stats.update(torch.tensor([3]), torch.tensor([[[2, 5]]]), predictor)
+    stats.update(torch.tensor([[[0, 1]], [[1, 0]]]), predictor.predict_topk(torch.tensor([1, 2])))
+    stats.update(torch.tensor([[[2, 5]]]), predictor.predict_topk(torch.tensor([3])))
     metrics.activate(window)
     try:
         yield window, registry, reference.read()
@@ -1035,3 +1051,118 @@ def test_runtime_learns_from_the_verify_routing_and_logs_statistics():
     finally:
         runtime.close()
     assert selection.active() is None and routing.active() is None and metrics.active() is None
+
+
+# --- a trained head as the predictor --------------------------------------------------------
+
+
+def draft_tree_through_hooks(batch, topk, steps, hidden_size, seed=0, vocab=50):
+    """As ``sglang_draft_tree``, but through the plugin's select hook, with distinct draft
+    states: the root's of request b is b, beam row r's after step i is 100 * (i + 1) + r.
+    Returns the tree lists and the state that proposed each candidate ``[B, N]``."""
+    from sglang.srt.speculative.spec_utils import select_top_k_tokens
+
+    # SGLang's own function, not the hooked one a runtime installs in the process.
+    original = getattr(select_top_k_tokens, "__wrapped__", select_top_k_tokens)
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.arange(batch).float()[:, None].expand(-1, hidden_size)
+    scores, lists, proposers = None, ([], [], []), []
+    for i in range(steps):
+        rows = hidden.shape[0]
+        probs = torch.rand(rows, vocab, generator=gen).pow(6)
+        topk_p, topk_index = (probs / probs.sum(-1, keepdim=True)).topk(topk, dim=-1)
+        proposers.append(hidden[:, 0].view(batch, -1).repeat_interleave(topk, 1))
+        _, hidden, scores, info = selection.select_hook(
+            original, i, topk_p, topk_index, hidden, scores, topk
+        )
+        for store, item in zip(lists, info, strict=True):
+            store.append(item)
+        hidden = (100.0 * (i + 1) + torch.arange(batch * topk).float())[:, None]
+        hidden = hidden.expand(-1, hidden_size)
+    return lists, torch.cat(proposers, 1)
+
+
+class StateEchoPredictor(OnlineExpertPredictor):
+    """Needs draft states; predicts experts from the first state value, and records it."""
+
+    needs_hidden = True
+    hidden_size = 3
+
+    def predict_topk(self, token_ids, hidden=None, *, validate=False):
+        self.seen = hidden[:, 0].clone()
+        first = hidden[:, 0].long()
+        offsets = torch.arange(self.top_k)
+        ids = (first[:, None] + offsets) % self.num_experts  # [T, K]
+        return ids[:, None].expand(-1, self.num_layers, -1)
+
+
+def test_head_gets_the_draft_state_that_proposed_each_candidate():
+    batch, topk, steps, ndt = 2, 3, 3, 5
+    predictor = StateEchoPredictor(2, 16, 2, num_buckets=64)
+    settings = EcoSpecSettings(policy="confidence", log_interval=0)
+    selector = selection.EcoSpecSelector(
+        settings, predictor, topk=topk, num_draft_tokens=ndt, max_batch=4, device="cpu"
+    )
+    selection.activate(selector)
+    try:
+        selector.set_roots(torch.tensor([7, 8]))
+        lists, proposers = draft_tree_through_hooks(batch, topk, steps, 3)
+        _, index, _ = selection.organize_hook(None, *lists, ndt)
+    finally:
+        selection.activate(None)
+    # The last predict_topk call is the roots' (their own states 0 and 1), the one before
+    # it the candidates'; check the candidates' through the recorded verify rows.
+    assert predictor.seen.tolist() == [0.0, 1.0]
+    chosen = proposers.gather(1, index)  # [B, D - 1]: the state behind each chosen node
+    rows = selector.verify_topk[: batch * ndt].view(batch, ndt, 2, 2)
+    assert rows[:, 0, 0, 0].tolist() == [0, 1]  # roots
+    assert torch.equal(rows[:, 1:, 0, 0].long(), chosen.long() % 16)
+
+
+def test_runtime_serves_a_trained_head_frozen(tmp_path):
+    from sglang_ecospec import algorithm
+    from transformers import Qwen2MoeConfig
+
+    from sgl_ecospec.predictor import LowRankExpertHead
+
+    config = Qwen2MoeConfig(
+        hidden_size=16, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2
+    )
+    head = LowRankExpertHead(16, 2, 8, 2, rank=4, token_buckets=32)
+    path = tmp_path / "head.pt"
+    head.save(path)
+    with pytest.raises(EcoSpecSettingsError, match="predictor 'head' needs predictor_file"):
+        EcoSpecSettings(predictor="head")
+    settings = EcoSpecSettings(predictor="head", predictor_file=str(path), log_interval=1)
+    runtime = algorithm.EcoSpecRuntime(
+        settings, config, topk=2, num_draft_tokens=3, max_batch=2, device="cpu"
+    )
+    try:
+        assert isinstance(runtime.predictor, LowRankExpertHead) and runtime.predictor.lr == 0
+        before = [p.clone() for p in runtime.predictor.parameters()]
+        runtime.before_decode(
+            SimpleNamespace(is_draft_input=lambda: True, bonus_tokens=torch.tensor([4, 5]))
+        )
+        lists, _ = draft_tree_through_hooks(2, 2, 2, 16, vocab=30)
+        _, _, draft_tokens = selection.organize_hook(None, *lists, 3)
+        tokens = torch.cat([torch.tensor([[4], [5]]), draft_tokens], 1).flatten()
+        # Route every verify row exactly as the head predicted, layer by layer: recall 1.
+        predicted = runtime.selector.verify_topk[:6].long()  # [6, L, K]
+        capture_config = SimpleNamespace(allow_routed_experts_capture=True)
+        for layer in (0, 1):
+            routing.after_capture(None, capture_config, layer, predicted[:, layer])
+        runtime.after_verify(SimpleNamespace(draft_token=tokens))
+        (summary,) = runtime.summaries
+        assert summary["predictor_recall"] == 1.0
+        params = runtime.predictor.parameters()
+        assert all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
+    finally:
+        runtime.close()
+    # A head for another model is refused at startup.
+    wrong = Qwen2MoeConfig(
+        hidden_size=32, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2
+    )
+    with pytest.raises(ValueError, match="hidden_size: saved 16, expected 32"):
+        algorithm.EcoSpecRuntime(
+            settings, wrong, topk=2, num_draft_tokens=3, max_batch=2, device="cpu"
+        )

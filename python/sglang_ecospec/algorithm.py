@@ -6,15 +6,16 @@ process. :class:`EcoSpecAlgo` answers SGLang's ``is_*()`` / ``supports_*()`` que
 EAGLE3 does (``is_eagle3()`` is True: aux hidden-state capture, the draft's vocabulary map,
 the V2 worker path), and :class:`EcoSpecWorker` is SGLang's ``EAGLEWorkerV2`` plus:
 
-- at start: the EcoSpec runtime (settings, online expert predictor, selector, routing
-  capture) sized to the memory pool, and the two hooks (``organize_draft_results``,
-  ``capture_routed_experts_if_allowed``) installed in this process; under expert
+- at start: the EcoSpec runtime (settings, expert predictor: online, or a trained head,
+  selector, routing capture) sized to the memory pool, and the hooks
+  (``organize_draft_results``, ``select_top_k_tokens``, ``capture_routed_experts_if_allowed``)
+  installed in this process; under expert
   parallelism the expert -> EP rank placement from SGLang's expert location metadata (and
   the EPLB refresh hook), with ``eps=auto`` the cost model's eps table;
 - before each decode step: the batch's bonus tokens copied into the selector (seeds of the
   expert buffer);
 - after each verify: the verify tokens' captured routing feeds the statistics and the
-  predictor (no host sync); the statistics are read (one host sync each) for SGLang's decode
+  online predictor (no host sync); the statistics are read (one host sync each) for SGLang's decode
   log line and /metrics (:mod:`sglang_ecospec.metrics`, once per ``--decode-log-interval``)
   and for the "EcoSpec:" line (once per ``log_interval`` verify steps).
 
@@ -159,7 +160,7 @@ class EcoSpecRuntime:
         """Builds and activates everything; ``ep_layout`` is SGLang's EP state
         (``ep_placement.EPLayout``; None: no EP). ValueError when the settings do not fit
         the served model or its parallelism."""
-        from sgl_ecospec.predictor import OnlineExpertPredictor
+        from sgl_ecospec.predictor import LowRankExpertHead, OnlineExpertPredictor
         from sglang_ecospec import ep_placement, eps_table, metrics, routing, selection
 
         layer_ids, num_experts, top_k = routing.moe_layout(hf_config)
@@ -185,14 +186,17 @@ class EcoSpecRuntime:
                 max_batch=max_batch,
                 ep_size=ep_layout.ep_size if placement is not None else 1,
             )
-        if settings.predictor_file:
-            predictor = OnlineExpertPredictor.load(
+        shape = {"num_layers": len(layer_ids), "num_experts": num_experts, "top_k": top_k}
+        if settings.predictor == "head":
+            # The draft reads the target's token embeddings: its hidden size is the target's.
+            predictor = LowRankExpertHead.load(
                 settings.predictor_file,
                 device=device,
-                num_layers=len(layer_ids),
-                num_experts=num_experts,
-                top_k=top_k,
+                hidden_size=routing.text_config(hf_config).hidden_size,
+                **shape,
             )
+        elif settings.predictor_file:
+            predictor = OnlineExpertPredictor.load(settings.predictor_file, device=device, **shape)
         else:
             predictor = OnlineExpertPredictor(
                 len(layer_ids),
@@ -210,6 +214,7 @@ class EcoSpecRuntime:
             settings,
             predictor,
             topk=topk,
+            num_draft_tokens=num_draft_tokens,
             max_batch=max_batch,
             device=device,
             placement=placement,
@@ -272,8 +277,10 @@ class EcoSpecRuntime:
             return
         tokens = tokens.flatten().long()
         routing_ids = self.capture.verify_routing(count)  # [T, L, K]
-        self.stats.update(tokens, routing_ids, self.predictor)
-        if self.settings.learn:
+        # What selection predicted for these rows, before any learning from them.
+        predicted = self.selector.verify_topk[:count].long()  # [T, L, K]
+        self.stats.update(routing_ids, predicted)
+        if self.settings.learn and not self.predictor.needs_hidden:
             self.predictor.observe(tokens, routing_ids, validate=False)
         interval = self.settings.log_interval
         if interval and self.log_window.pending_steps >= interval:

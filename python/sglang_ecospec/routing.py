@@ -24,6 +24,11 @@ logger = logging.getLogger(__name__)
 CAPTURE_TARGET = "sglang.srt.layers.moe.topk.capture_routed_experts_if_allowed"
 
 
+def text_config(hf_config):
+    """The language model's config (multimodal configs nest it as ``text_config``)."""
+    return getattr(hf_config, "text_config", None) or hf_config
+
+
 def moe_layout(hf_config) -> tuple[list[int], int, int]:
     """(MoE layer ids, routed experts per layer, experts per token) of a target config.
 
@@ -34,7 +39,7 @@ def moe_layout(hf_config) -> tuple[list[int], int, int]:
     Raises:
         ValueError: the config describes no MoE model.
     """
-    config = getattr(hf_config, "text_config", None) or hf_config
+    config = text_config(hf_config)
     num_experts = next(
         (
             getattr(config, name)
@@ -161,15 +166,15 @@ class VerifyStats:
         self.steps = 0
         self.tokens = 0
 
-    def update(self, tokens: torch.Tensor, routing: torch.Tensor, predictor) -> None:
-        """``tokens [T]`` verified this step, ``routing [T, L, K]`` their experts."""
+    def update(self, routing: torch.Tensor, predicted: torch.Tensor) -> None:
+        """``routing`` int64 ``[T, L, K]``: the experts of this step's T verify tokens;
+        ``predicted`` int64 ``[T, L, K]``: what the predictor said before the step."""
         from sgl_ecospec.predictor import multi_hot
 
         num_tokens, layers, top_k = routing.shape
         union = torch.zeros((layers, self.num_experts), device=routing.device)  # [L, E]
         union.scatter_(1, routing.transpose(0, 1).reshape(layers, -1), 1.0)
         unique = union.sum() / layers
-        predicted = predictor.predict_topk(tokens)  # [T, L, K]
         truth = multi_hot(routing, self.num_experts, validate=False)  # [T, L, E]
         recall = truth.gather(-1, predicted).sum() / (num_tokens * layers * top_k)
         self.totals += torch.stack((unique, recall)).to(torch.float64)

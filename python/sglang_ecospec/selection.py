@@ -24,6 +24,14 @@ persistent buffer that EPLB updates refresh in place, :mod:`sglang_ecospec.ep_pl
 with ``num_ranks`` and ``total_weight``; with ``eps="auto"`` it looks eps up by batch size in
 the cost model's table (:mod:`sglang_ecospec.eps_table`), on the host.
 
+Expert predictions: the online predictor reads candidate token ids only; a trained
+:class:`sgl_ecospec.predictor.LowRankExpertHead` also reads the draft state that proposed each
+candidate, which :func:`select_hook` (an AROUND hook on SGLang's ``select_top_k_tokens``, the
+per-step function that receives those states) hands to the selector: at step 0 the root's
+state ``[B, H]`` proposes all K candidates, at step i the K beams' states ``[B*K, H]`` propose
+K children each. The predictions of the verify rows (root, then the chosen candidates) are kept
+in a persistent buffer, so the predictor's recall is measured on what selection used.
+
 Graph safety: static shapes, no host sync (``validate=False``, the batch size and eps are
 Python numbers), persistent state (the predictor's tables, the root-token buffers, the
 placement) updated in place; the only allocations are the op outputs, as in SGLang's own
@@ -38,6 +46,7 @@ import logging
 import torch
 
 from sgl_ecospec import select_verify_set
+from sgl_ecospec.bitmaps import topk_to_bitmap
 from sgl_ecospec.predictor import ExpertPredictor
 from sglang_ecospec.ep_placement import ExpertPlacement
 from sglang_ecospec.eps_table import EpsTable
@@ -46,6 +55,7 @@ from sglang_ecospec.settings import EcoSpecSettings
 logger = logging.getLogger(__name__)
 
 ORGANIZE_TARGET = "sglang.srt.speculative.eagle_utils.organize_draft_results"
+SELECT_TARGET = "sglang.srt.speculative.spec_utils.select_top_k_tokens"
 
 
 def candidate_parents(parent_list: torch.Tensor, num_candidates: int, topk: int) -> torch.Tensor:
@@ -71,9 +81,10 @@ class EcoSpecSelector:
 
     Args:
         settings: the validated EcoSpec settings (policy, eps, share_buffer, total_weight).
-        predictor: expert predictor (``predict_bitmaps`` over token ids).
+        predictor: expert predictor (token ids, plus draft states when it ``needs_hidden``).
         topk: K (``--speculative-eagle-topk``).
-        max_batch: most requests of one decode batch (sizes the root buffers).
+        num_draft_tokens: D (``--speculative-num-draft-tokens``): verify rows per request.
+        max_batch: most requests of one decode batch (sizes the root and prediction buffers).
         device: where the buffers live.
         placement: the EP placement (its ``expert_rank`` int64 ``[L, E]`` on ``device``,
             ``num_ranks``), or None: experts priced without EP.
@@ -87,6 +98,7 @@ class EcoSpecSelector:
         predictor: ExpertPredictor,
         *,
         topk: int,
+        num_draft_tokens: int,
         max_batch: int,
         device,
         placement: ExpertPlacement | None = None,
@@ -105,8 +117,20 @@ class EcoSpecSelector:
         self.settings = settings
         self.predictor = predictor
         self.topk = topk
+        self.num_draft_tokens = num_draft_tokens
         self.placement = placement
         self.eps_table = eps_table
+        # Predicted experts of the last selection's verify rows, in SGLang's verify order
+        # (per request: the root, then the chosen candidates); int16 holds any expert id.
+        self.verify_topk = torch.zeros(
+            max_batch * num_draft_tokens,
+            predictor.num_layers,
+            predictor.top_k,
+            dtype=torch.int16,
+            device=device,
+        )  # [Bmax * D, L, K]
+        # Draft states of the tree being grown, one entry per step (select_hook).
+        self._states: list[torch.Tensor] = []
         # Each request's root (bonus) token, copied in before the draft step; padded rows of
         # a graph replay are marked invalid so they neither seed nor take experts.
         self.root_tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)  # [Bmax]
@@ -132,6 +156,50 @@ class EcoSpecSelector:
         self.root_tokens[:count].copy_(bonus_tokens[:count])
         self.root_valid[:count] = True
         self.root_valid[count:] = False
+
+    def record_draft_states(self, step: int, hidden_states: torch.Tensor) -> None:
+        """Keeps the draft states that propose step ``step``'s candidates (``[B, H]`` at step
+        0, the beams' ``[B*K, H]`` after), when the predictor reads them."""
+        if not self.predictor.needs_hidden:
+            return
+        if step == 0:
+            self._states = []
+        self._states.append(hidden_states)
+
+    def _candidate_states(self, batch: int, num_candidates: int):
+        """(root states ``[B, H]``, candidate states ``[B, N, H]``) of the current tree."""
+        if not self._states:
+            raise RuntimeError(
+                "the expert head needs the draft states, but select_top_k_tokens reported "
+                "none (SGLang's topk-1 chain path skips it: serve with --speculative-eagle-topk "
+                "> 1, or use SGLANG_ECOSPEC_PREDICTOR=online)"
+            )
+        root = self._states[0]
+        per_step = [root[:, None].expand(-1, self.topk, -1)]
+        per_step += [
+            s.view(batch, self.topk, -1).repeat_interleave(self.topk, 1) for s in self._states[1:]
+        ]
+        states = torch.cat(per_step, 1)
+        size = getattr(self.predictor, "hidden_size", states.shape[-1])
+        if states.shape[:2] != (batch, num_candidates) or states.shape[-1] != size:
+            raise ValueError(
+                f"draft states of shape {tuple(states.shape)} do not fit {num_candidates} "
+                f"candidates of {batch} requests with the head's hidden size {size}: the head "
+                "must be trained on this draft model (sgl-ecospec train-head)"
+            )
+        return root, states
+
+    def _predict(self, tokens: torch.Tensor, roots: torch.Tensor):
+        """Predicted experts of the candidates ``[B, N, L, K]`` and roots ``[B, L, K]``."""
+        batch, num_candidates = tokens.shape
+        if self.predictor.needs_hidden:
+            root_states, states = self._candidate_states(batch, num_candidates)
+            flat = self.predictor.predict_topk(tokens.flatten().long(), states.flatten(0, 1))
+            root = self.predictor.predict_topk(roots, root_states)
+        else:
+            flat = self.predictor.predict_topk(tokens.flatten().long())
+            root = self.predictor.predict_topk(roots)
+        return flat.view(batch, num_candidates, *flat.shape[1:]), root
 
     def organize(
         self,
@@ -160,9 +228,10 @@ class EcoSpecSelector:
         else:  # an eager batch past the captured maximum: no seeds
             roots = torch.zeros(batch, dtype=torch.int64, device=scores.device)
             valid = torch.zeros(batch, dtype=torch.bool, device=scores.device)
-        experts = self.predictor.predict_bitmaps(tokens.flatten().long())  # [B*N, L, W]
-        experts = experts.view(batch, num_candidates, *experts.shape[1:])  # [B, N, L, W]
-        root_experts = self.predictor.predict_bitmaps(roots)  # [B, L, W]
+        predicted, root_predicted = self._predict(tokens, roots)  # [B, N, L, K], [B, L, K]
+        num_experts = self.predictor.num_experts
+        experts = topk_to_bitmap(predicted, num_experts, validate=False)  # [B, N, L, W]
+        root_experts = topk_to_bitmap(root_predicted, num_experts, validate=False)  # [B, L, W]
         keep = valid.long()
         experts = experts * keep[:, None, None, None]
         root_experts = root_experts * keep[:, None, None]
@@ -186,6 +255,12 @@ class EcoSpecSelector:
             **ep,
         )  # [B, D-1] ascending; complete, every candidate is reachable
         draft_tokens = torch.gather(tokens, 1, index)  # [B, D-1]
+        if batch <= self.max_batch and num_draft_token == self.num_draft_tokens:
+            chosen = predicted.gather(
+                1, index[:, :, None, None].expand(-1, -1, *predicted.shape[2:])
+            )
+            rows = torch.cat([root_predicted[:, None], chosen], 1)  # [B, D, L, K]
+            self.verify_topk[: rows.shape[0] * rows.shape[1]].copy_(rows.flatten(0, 1))
         self.calls += 1
         return parent_list, index, draft_tokens
 
@@ -203,6 +278,15 @@ def active() -> EcoSpecSelector | None:
     return _active
 
 
+def select_hook(original, i, topk_p, topk_index, hidden_states, scores, topk):
+    """AROUND hook on ``select_top_k_tokens``: hands step ``i``'s draft states to the active
+    selector, then runs SGLang's function unchanged."""
+    selector = _active
+    if selector is not None:
+        selector.record_draft_states(i, hidden_states)
+    return original(i, topk_p, topk_index, hidden_states, scores, topk)
+
+
 def organize_hook(original, score_list, token_list, parents_list, num_draft_token):
     """AROUND hook on ``organize_draft_results``: ECOSPEC's selection when active."""
     selector = _active
@@ -215,11 +299,12 @@ _installed = False
 
 
 def install_hook() -> None:
-    """Registers and applies the selection hook (idempotent)."""
+    """Registers and applies the selection hooks (idempotent)."""
     global _installed
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     if not _installed:
         HookRegistry.register(ORGANIZE_TARGET, organize_hook, HookType.AROUND)
+        HookRegistry.register(SELECT_TARGET, select_hook, HookType.AROUND)
         HookRegistry.apply_hooks()
         _installed = True

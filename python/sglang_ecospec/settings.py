@@ -26,7 +26,7 @@ from sgl_ecospec.costmodel.profiles import HARDWARE, MODELS, get_hardware, get_m
 ENV_PREFIX = "SGLANG_ECOSPEC_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
 POLICIES = ("ecospec", "confidence")
-PREDICTORS = ("online",)
+PREDICTORS = ("online", "head")
 AUTO = "auto"  # eps from the cost model
 
 
@@ -56,10 +56,16 @@ class EcoSpecSettings:
             False: count experts as without EP.
         total_weight: in [0, 1], weight of the experts off the busiest rank in the EP cost,
             or None for 1 / ep_size. Read only under EP with ep_cost.
-        predictor: "online" (:class:`sgl_ecospec.predictor.OnlineExpertPredictor`).
-        predictor_file: warm start: a file written by ``OnlineExpertPredictor.save`` for this
-            model (its layer count, experts and top-k must match), or None.
-        learn: update the predictor from the routing of every verify pass.
+        predictor: "online" (:class:`sgl_ecospec.predictor.OnlineExpertPredictor`: routing
+            counts per token, learnt while serving) or "head" (a trained
+            :class:`sgl_ecospec.predictor.LowRankExpertHead`, from ``sgl-ecospec train-head``:
+            reads each candidate's token and the draft state that proposed it; used as
+            trained).
+        predictor_file: for "online" a warm start written by ``OnlineExpertPredictor.save``,
+            or None; for "head" the head (required). Its layer count, experts and top-k (and
+            a head's hidden size) must match the served model.
+        learn: update the online predictor from the routing of every verify pass (a head
+            is not updated).
         num_buckets, prior_weight, halve_every: the online predictor's table size, prior
             pseudo-count and ageing period (see its docstring); ignored with predictor_file,
             which carries its own.
@@ -110,10 +116,16 @@ class EcoSpecSettings:
             raise EcoSpecSettingsError(
                 f"predictor must be one of {PREDICTORS}, got {self.predictor!r}"
             )
+        if self.predictor == "head" and self.predictor_file is None:
+            raise EcoSpecSettingsError(
+                "predictor 'head' needs predictor_file: the LowRankExpertHead file written by "
+                "`sgl-ecospec train-head --out FILE` for this target and draft"
+            )
         if self.predictor_file is not None and not os.path.isfile(self.predictor_file):
             raise EcoSpecSettingsError(
                 f"predictor_file {self.predictor_file!r} does not exist; write one with "
-                "OnlineExpertPredictor.save, or leave it unset to start from an empty table"
+                "OnlineExpertPredictor.save (online) or `sgl-ecospec train-head` (head), or "
+                "leave it unset to start from an empty table (online)"
             )
         if not 1 <= self.num_buckets < 2**31:
             raise EcoSpecSettingsError(f"num_buckets must be in [1, 2**31), got {self.num_buckets}")
