@@ -33,6 +33,7 @@ _HASH_MULT = 2654435761
 _HASH_BITS = 32
 _STATE_FORMAT = "sgl_ecospec.OnlineExpertPredictor"
 _HEAD_FORMAT = "sgl_ecospec.LowRankExpertHead"
+_RMS_EPS = 1e-6
 _STATE_VERSION = 1
 
 
@@ -495,8 +496,8 @@ def _config_diffs(saved: dict, wanted: dict) -> str:
 class LowRankExpertHead(torch.nn.Module, ExpertPredictor):
     """Per-layer expert logits from a candidate's context (drafter hidden state) and token.
 
-    ``z = down(hidden) + token_embedding[bucket(token)]`` (width ``rank``), then
-    ``logits = up(silu(z))`` read as ``[T, L, E]``. ``hidden`` is the drafter state that
+    ``z = down(rms_normalise(hidden)) + token_embedding[bucket(token)]`` (width ``rank``),
+    then ``logits = up(silu(z))`` read as ``[T, L, E]``. ``hidden`` is the drafter state that
     proposed the candidate, so siblings share it: the token term is what tells them apart
     (early MoE layers route mostly by token), the hidden term what tells apart one token in
     different contexts (which a count table per token cannot). The bottleneck keeps the head
@@ -565,7 +566,11 @@ class LowRankExpertHead(torch.nn.Module, ExpertPredictor):
         """
         self._check_inputs(token_ids, hidden, validate=False)
         weight = self.up.weight
-        z = self.down(hidden.to(weight.device, weight.dtype))
+        hidden = hidden.to(weight.device, weight.dtype)
+        # Draft states are pre-norm residual streams (norms in the hundreds on the testbed):
+        # RMS-normalised, they train at ordinary learning rates.
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + _RMS_EPS)
+        z = self.down(hidden)
         if self.token_embedding is not None:
             buckets = hash_buckets(token_ids, self.token_buckets, weight.device)
             z = z + self.token_embedding(buckets)
@@ -740,10 +745,12 @@ def train_expert_head(
     token_ids: torch.Tensor | None = None,
     *,
     epochs: int = 5,
-    batch_size: int = 256,
-    lr: float = 1e-3,
+    batch_size: int = 32,
+    lr: float = 3e-3,
     val_fraction: float = 0.1,
+    holdout: str = "random",
     seed: int = 0,
+    init_bias: bool = True,
     progress: bool = True,
 ) -> list[dict]:
     """Trains ``head`` offline on recorded (hidden state, token, routing) triples.
@@ -761,7 +768,11 @@ def train_expert_head(
         batch_size: tokens per step (>= 1).
         lr: Adam learning rate.
         val_fraction: share of tokens held out, in [0, 1).
+        holdout: "random" (a random share) or "last" (the last tokens: with triples
+            recorded in decoding order, whole later prompts, unseen contexts).
         seed: fixes the split and the shuffling.
+        init_bias: first set the output bias to the logit of each (layer, expert)'s rate in
+            the training routing (for a fresh head; False keeps a trained head's bias).
         progress: print one line per epoch.
 
     Returns:
@@ -779,6 +790,8 @@ def train_expert_head(
         raise ValueError(f"lr must be a positive number, got {lr!r}")
     if not (isinstance(val_fraction, int | float) and 0 <= val_fraction < 1):
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
+    if holdout not in ("random", "last"):
+        raise ValueError(f"holdout must be 'random' or 'last', got {holdout!r}")
     num_val = int(num_tokens * val_fraction)
     if num_tokens - num_val < 1:
         raise ValueError(
@@ -789,8 +802,18 @@ def train_expert_head(
         return None if token_ids is None else token_ids[index]
 
     generator = torch.Generator().manual_seed(seed)
-    order = torch.randperm(num_tokens, generator=generator)
-    val_idx, train_idx = order[:num_val], order[num_val:]
+    if holdout == "last":
+        order = torch.arange(num_tokens)
+        train_idx, val_idx = order[: num_tokens - num_val], order[num_tokens - num_val :]
+    else:
+        order = torch.randperm(num_tokens, generator=generator)
+        val_idx, train_idx = order[:num_val], order[num_val:]
+    # Start every (layer, expert) logit at the training routing's base rate, so the steps go
+    # to what distinguishes tokens and contexts rather than to the marginal.
+    if init_bias:
+        rate = multi_hot(topk_ids[train_idx], head.num_experts, validate=False).mean(0)  # [L, E]
+        with torch.no_grad():
+            head.up.bias.copy_(torch.logit(rate.clamp(1e-4, 1 - 1e-4)).flatten())
     optimizer = torch.optim.Adam(head.parameters(), lr=lr)
     history = []
     for epoch in range(1, epochs + 1):

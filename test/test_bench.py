@@ -456,10 +456,11 @@ def test_train_head_then_bench_with_it(tiny_models, tmp_path, capsys):
     argv += ["--token-buckets", "64", "--out", str(head_file), "--json", str(train_json)]
     assert main(argv) == 0
     out = capsys.readouterr()
-    assert "recording: batch 2/2" in out.err and "head held-out recall" in out.out
+    assert "recording: batch 2/2" in out.err and "held-out recall" in out.out
     report = json.loads(train_json.read_text())
     assert report["recorded_rows"] > 10 and len(report["history"]) == 3
     assert 0.0 < report["online_recall"] <= 1.0 and 0.0 < report["val_recall"] <= 1.0
+    assert 0.0 < report["online_table_val_recall"] <= 1.0
     head = LowRankExpertHead.load(head_file, num_layers=4, num_experts=16, top_k=4)
     assert head.rank == 8 and head.token_buckets == 64
 

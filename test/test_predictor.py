@@ -336,6 +336,31 @@ def test_head_token_term_tells_apart_siblings():
     assert recalls[0] < 0.6  # hidden alone cannot know which sibling token it is
 
 
+def test_head_holdout_last_measures_unseen_tail():
+    # The first 3/4 of the rows come from clusters 0-3, the tail from a cluster never seen:
+    # a random split sees it in training, the tail split does not.
+    tokens, hidden, routing = token_and_context_data(2000, num_clusters=4)
+    tail_tokens, tail_hidden, tail_routing = token_and_context_data(500, seed=9, num_clusters=1)
+    tokens = torch.cat([tokens, tail_tokens])
+    hidden, routing = torch.cat([hidden, tail_hidden]), torch.cat([routing, tail_routing])
+    recalls = {}
+    for holdout in ("random", "last"):
+        torch.manual_seed(0)
+        head = LowRankExpertHead(H, L, E, K, rank=32, token_buckets=256)
+        history = train_expert_head(
+            head,
+            hidden,
+            routing,
+            tokens,
+            epochs=6,
+            val_fraction=0.2,
+            holdout=holdout,
+            progress=False,
+        )
+        recalls[holdout] = history[-1]["val_recall"]
+    assert recalls["random"] > 0.8 and recalls["last"] < recalls["random"] - 0.2
+
+
 def test_head_save_load_and_load_predictor(tmp_path):
     torch.manual_seed(0)
     tokens, hidden, routing = token_and_context_data(512)
@@ -380,6 +405,8 @@ def test_head_input_errors():
         head.observe(tokens, torch.zeros(2, L + 1, K, dtype=torch.int64), torch.zeros(2, H))
     with pytest.raises(ValueError, match="val_fraction"):
         train_expert_head(head, torch.zeros(4, H), routing_of([0] * 4), val_fraction=1.0)
+    with pytest.raises(ValueError, match="holdout must be 'random' or 'last'"):
+        train_expert_head(head, torch.zeros(4, H), routing_of([0] * 4), holdout="first")
     with pytest.raises(ValueError, match=r"hidden must have shape \[T, 32\]"):
         train_expert_head(head, torch.zeros(4, 8), routing_of([0] * 4))
     with_tokens = LowRankExpertHead(H, L, E, K, rank=4, token_buckets=16)
