@@ -446,7 +446,7 @@ def test_bench_end_to_end_on_tiny_models(tiny_models, tmp_path, capsys):
 
 def test_train_head_then_bench_with_it(tiny_models, tmp_path, capsys):
     from sgl_ecospec.cli import main
-    from sgl_ecospec.predictor import LowRankExpertHead
+    from sgl_ecospec.predictor import LowRankExpertHead, OnlineExpertPredictor
 
     root = tiny_models
     models = ["--target", str(root / "target"), "--draft", str(root / "draft")]
@@ -454,6 +454,7 @@ def test_train_head_then_bench_with_it(tiny_models, tmp_path, capsys):
     argv = ["train-head", *models, "--dataset", str(root / "prompts.jsonl"), "--num-prompts", "3"]
     argv += ["--max-new-tokens", "12", "--batch-size", "2", "--rank", "8", "--epochs", "3"]
     argv += ["--token-buckets", "64", "--out", str(head_file), "--json", str(train_json)]
+    argv += ["--save-table", str(tmp_path / "table.pt")]
     assert main(argv) == 0
     out = capsys.readouterr()
     assert "recording: batch 2/2" in out.err and "held-out recall" in out.out
@@ -463,6 +464,8 @@ def test_train_head_then_bench_with_it(tiny_models, tmp_path, capsys):
     assert 0.0 < report["online_table_val_recall"] <= 1.0
     head = LowRankExpertHead.load(head_file, num_layers=4, num_experts=16, top_k=4)
     assert head.rank == 8 and head.token_buckets == 64
+    table = OnlineExpertPredictor.load(tmp_path / "table.pt", num_layers=4, num_experts=16)
+    assert table.prior.sum() == report["recorded_rows"] * 4 * 4  # every row, layer, expert
 
     bench_json = tmp_path / "bench.json"
     argv = ["bench", *models, "--prompts", str(root / "prompts.jsonl"), "--num-prompts", "3"]

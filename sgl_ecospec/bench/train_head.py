@@ -104,6 +104,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     out = parser.add_argument_group("output")
     out.add_argument("--out", required=True, metavar="FILE", help="where the head is written")
     out.add_argument("--json", metavar="FILE", help="write the training report as JSON")
+    out.add_argument(
+        "--save-table",
+        metavar="FILE",
+        help="also write the online count table learnt while recording: the same prompts as "
+        "a warm start for --predictor online, to compare the head with",
+    )
     parser.set_defaults(run=run)
     return parser
 
@@ -152,6 +158,7 @@ def validate(args: argparse.Namespace) -> dict:
                 "device",
                 "dtype",
                 "out",
+                "save_table",
             )
         },
     }
@@ -231,6 +238,8 @@ def run(args: argparse.Namespace) -> int:
         seed=cfg["seed"],
     )
     head.save(cfg["out"])
+    if cfg["save_table"]:
+        recorder.inner.save(cfg["save_table"])
     report = {
         "config": cfg,
         "recorded_rows": int(tokens.shape[0]),
