@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from sgl_ecospec.bench import cli as bench_cli
 from sgl_ecospec.bench import metrics
@@ -226,10 +227,19 @@ class FakeEngine:
 
     corrupt = False
     calls: list = []
+    logit_step = 1.0  # the target's logit of token t is t * logit_step (ties: small steps)
 
     def __init__(self, target_dir, draft_dir, *, device="cpu", dtype=None):
         self.tokenizer = FakeTokenizer()
         self.num_layers, self.num_experts, self.top_k = L, E, K
+        self.device = "cpu"
+        step = self.logit_step
+
+        def model(ids):
+            logits = torch.arange(128.0).expand(*ids.shape, -1) * step
+            return types.SimpleNamespace(logits=logits)
+
+        self.target = types.SimpleNamespace(model=model)
 
     @staticmethod
     def _output(prompt, n):
@@ -264,6 +274,7 @@ def fake_engine(monkeypatch):
     module.SpecConfig, module.OfflineEngine = FakeSpecConfig, FakeEngine
     monkeypatch.setitem(sys.modules, "sgl_ecospec.engine", module)
     monkeypatch.setattr(FakeEngine, "corrupt", False)
+    monkeypatch.setattr(FakeEngine, "logit_step", 1.0)
     monkeypatch.setattr(FakeEngine, "calls", [])
     return FakeEngine
 
@@ -341,7 +352,21 @@ def test_check_lossless_fails_loudly(fake_engine, tmp_path, capsys):
     assert "warning: not lossless" in capsys.readouterr().err
     report = json.loads(out_json.read_text())
     assert report["policies"]["confidence"]["lossless"] is False
-    assert "mt-bench:" in report["policies"]["confidence"]["mismatches"][0]
+    assert report["policies"]["confidence"]["near_ties"] == 0
+    message = report["policies"]["confidence"]["mismatches"][0]
+    assert "mt-bench:" in message and "logits of the two tokens differ by 1.0000" in message
+
+
+def test_divergence_at_a_near_tie_is_reported_not_fatal(fake_engine, tmp_path, capsys):
+    fake_engine.corrupt = True
+    fake_engine.logit_step = 0.01  # the corrupted token is within 0.01 of the greedy one
+    out_json = tmp_path / "bench.json"
+    assert _run(["--num-prompts", "2", "--check-lossless", "--json", str(out_json)]) == 0
+    assert "tie" in capsys.readouterr().out
+    run = json.loads(out_json.read_text())["policies"]["confidence"]
+    assert run["lossless"] is False and run["near_ties"] == 2  # both prompts (batch 1)
+    assert run["mismatches"][0].endswith("differ by 0.0100 (near tie)")
+    assert metrics.lossless_status(run) == "tie"
 
 
 def test_testbed_without_routing_choice_is_rejected(fake_engine, monkeypatch):

@@ -276,7 +276,7 @@ def test_defaults_validate():
         (["--profiles", "qwen9"], r"unknown --profiles \['qwen9'\]"),
         (["--hardware", "8xh200"], "--hardware is one device"),
         (["--hardware", "a100"], "unknown hardware 'a100'"),
-        (["--budget", "36"], r"--budget 36 must be in \[1, 35\]"),
+        (["--budget", "36"], r"budget 36 must be in \[1, 35\]"),
         (["--max-new-tokens", "1"], "--max-new-tokens must be >= 2"),
         (["--num-prompts", "0"], "--num-prompts must be >= 1"),
         (["--target", "t"], "give both --target and --draft"),

@@ -215,3 +215,11 @@ def first_mismatch(expected: Sequence[int], got: Sequence[int]) -> int | None:
         if a != b:
             return i
     return None if len(expected) == len(got) else min(len(expected), len(got))
+
+
+def lossless_status(entry: dict) -> str:
+    """ "yes" (every output equal), "tie" (diverged only at near ties, ``near_ties``) or
+    "NO", for the tables of a run's ``lossless``/``near_ties``/``mismatches`` fields."""
+    if entry["lossless"]:
+        return "yes"
+    return "tie" if len(entry["mismatches"]) <= entry.get("near_ties", 0) else "NO"

@@ -9,6 +9,8 @@ report is ``{"note", "config", "testbed", "profile", "hardware", "greedy", "poli
 
 import json
 
+from sgl_ecospec.bench import metrics
+
 # (header, width, getter(run) -> value, format); None prints as "n/a".
 _COLUMNS = (
     ("budget", 6, lambda r: r["budget"], "{:d}"),
@@ -18,7 +20,7 @@ _COLUMNS = (
     ("p90", 5, lambda r: r["experts_per_layer_step_p90"], "{:.1f}"),
     ("uniform", 7, lambda r: r["uniform_experts_per_layer_step"], "{:.2f}"),
     ("recall", 6, lambda r: r["predictor_recall"], "{:.3f}"),
-    ("lossless", 8, lambda r: "yes" if r["lossless"] else "NO", "{}"),
+    ("lossless", 8, metrics.lossless_status, "{}"),
     ("prof_exp", 8, lambda r: r["predicted"]["experts_per_layer_step"], "{:.2f}"),
     ("GB/step", 7, lambda r: r["predicted"]["expert_bytes_per_step"] / 1e9, "{:.2f}"),
     ("verify_ms", 9, lambda r: r["predicted"]["verify_ms"], "{:.3f}"),
@@ -32,7 +34,7 @@ _DATASET_COLUMNS = (
     ("experts", 7, lambda r: r["experts_per_layer_step"], "{:.2f}"),
     ("p90", 5, lambda r: r["experts_per_layer_step_p90"], "{:.1f}"),
     ("recall", 6, lambda r: r["predictor_recall"], "{:.3f}"),
-    ("lossless", 8, lambda r: "yes" if r["lossless"] else "NO", "{}"),
+    ("lossless", 8, metrics.lossless_status, "{}"),
 )
 
 
@@ -96,8 +98,8 @@ def format_dataset_table(report: dict) -> str:
         return ""
     lines = [_line(_DATASET_COLUMNS, [h for h, _, _, _ in _DATASET_COLUMNS])]
     for run in report["sweep"]:
-        for name, metrics in run["per_dataset"].items():
-            row = {"budget": run["budget"], "policy": run["policy"], "dataset": name, **metrics}
+        for name, figures in run["per_dataset"].items():
+            row = {"budget": run["budget"], "policy": run["policy"], "dataset": name, **figures}
             lines.append(_line(_DATASET_COLUMNS, _cells(_DATASET_COLUMNS, row)))
     return "\n".join(lines)
 

@@ -35,12 +35,14 @@ from sgl_ecospec.bench import ep_cost, metrics
 from sgl_ecospec.bench import report as bench_report
 from sgl_ecospec.bench.cli import (
     LosslessError,
+    OutputCheck,
     _batches,
-    _describe_mismatch,
     _greedy,
     _Progress,
     add_model_arguments,
     add_tree_arguments,
+    check_budget,
+    check_model_arguments,
     num_candidates,
     open_engine,
     performance_model,
@@ -88,7 +90,7 @@ METHOD = {
         "adaptive is the greedy run (speedup 1)"
     ),
 }
-_MAX_MISMATCHES = 5
+_LINE_STATUS = {"yes": "lossless", "tie": "lossless up to near ties", "NO": "NOT LOSSLESS"}
 # Batch sizes where EcoSpec is meant to keep its expert reduction (the bar).
 SMALL_BATCHES = (1, 2, 4, 8)
 
@@ -217,17 +219,9 @@ def validate(args: argparse.Namespace) -> dict:
         raise ValueError(
             f"--hardware is one device, got {args.hardware!r}: EP R is priced on R of them"
         )
+    check_budget(args.budget, args.topk, args.steps)
+    check_model_arguments(args)
     candidates = num_candidates(args.topk, args.steps)
-    if not 1 <= args.budget < candidates:
-        raise ValueError(
-            f"--budget {args.budget} must be in [1, {candidates - 1}]: the draft tree has "
-            f"topk + (steps - 1) x topk^2 = {candidates} candidates (topk {args.topk}, "
-            f"steps {args.steps})"
-        )
-    if (args.target is None) != (args.draft is None):
-        raise ValueError("give both --target and --draft, or neither (the testbed)")
-    if args.small and args.target:
-        raise ValueError("--small picks the small testbed; it conflicts with --target/--draft")
     return {
         "batch_sizes": batch_sizes,
         "policies": policies,
@@ -367,21 +361,16 @@ def _speculative(cfg, engine, spec, groups, prompts, greedy, progress, label) ->
         engine.num_layers, engine.num_experts, engine.top_k, device=cfg["device"]
     )
     limit, started = cfg["max_new_tokens"], time.perf_counter()
-    steps, mismatches, index = [], [], 0
+    steps, index = [], 0
+    check = OutputCheck(engine, cfg["check_lossless"], label)
     progress.verify_steps = 0
     progress.bar.set_description(label)
     for group in groups:
         result = engine.generate_speculative(
             group, limit, spec, predictor=predictor, progress=progress.on_step
         )
-        for got in result.outputs:
-            expected, got = greedy[index], list(got[:limit])
-            position = metrics.first_mismatch(expected, got)
-            if position is not None:
-                message = _describe_mismatch(engine, prompts[index], position, expected, got)
-                if cfg["check_lossless"]:
-                    raise LosslessError(f"{label}: {message}")
-                mismatches.append(message)
+        for ids, got in zip(group, result.outputs, strict=True):
+            check.compare(prompts[index], ids, greedy[index], list(got[:limit]))
             index += 1
         steps += result.steps
         progress.bar.update()
@@ -390,8 +379,7 @@ def _speculative(cfg, engine, spec, groups, prompts, greedy, progress, label) ->
     return steps, {
         **summary,
         "verified_per_request": verified,
-        "lossless": not mismatches,
-        "mismatches": mismatches[:_MAX_MISMATCHES],
+        **check.fields(),
         "wall_seconds": time.perf_counter() - started,
     }
 
@@ -653,7 +641,7 @@ def _run_line(entry: dict, cfg: dict) -> str:
         f"{entry['accept_length']:.3f}, verified/request {entry['verified_per_request']:.2f}, "
         f"experts {entry['experts_per_layer_step']:.2f}"
         + (f", busiest {busiest}" if busiest else "")
-        + f", {'lossless' if entry['lossless'] else 'NOT LOSSLESS'}"
+        + f", {_LINE_STATUS[metrics.lossless_status(entry)]}"
         f", {entry['wall_seconds']:.0f} s"
     )
 
@@ -679,7 +667,7 @@ def format_tables(rep: dict) -> str:
         elif not e["ran"]:
             status = "gate off"
         else:
-            status = "yes" if e["lossless"] else "NO"
+            status = metrics.lossless_status(e)
         cells = [
             f"{e['batch_size']:5d}",
             f"{policy:<10}",

@@ -125,13 +125,8 @@ def validate(args: argparse.Namespace) -> dict:
         raise ValueError(f"--lr must be > 0, got {args.lr}")
     if not 0 < args.val_fraction < 1:
         raise ValueError(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
-    candidates = bench_cli.num_candidates(args.topk, args.steps)
-    if not 1 <= args.budget < candidates:
-        raise ValueError(f"--budget must be in [1, {candidates - 1}] for this tree")
-    if (args.target is None) != (args.draft is None):
-        raise ValueError("give both --target and --draft, or neither (the testbed)")
-    if args.small and args.target:
-        raise ValueError("--small picks the small testbed; it conflicts with --target/--draft")
+    bench_cli.check_budget(args.budget, args.topk, args.steps)
+    bench_cli.check_model_arguments(args)
     datasets = [d.strip() for d in args.dataset.split(",") if d.strip()]
     if not datasets:
         raise ValueError("--dataset names no dataset")
