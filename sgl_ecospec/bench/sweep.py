@@ -14,8 +14,10 @@ greedily (no speculation, the baseline every speedup is over) and once per polic
 - ``adaptive``: a per-batch-size gate, then per-step adaptive selection. The gate, like a
   bucket of SGLang's ``--speculative-adaptive-config``, turns speculation off at batch B
   for a profile and EP size when speculation as SGLang runs it (``confidence``, measured
-  at B) is predicted no faster than no speculation; there ``adaptive`` is the greedy run
-  (speedup 1). Where it is on, ``select_verify_set(policy="adaptive")`` takes
+  at B) is predicted no faster than no speculation, and after the adaptive run at B where
+  that run is predicted no faster either; there ``adaptive`` is the greedy run
+  (speedup 1; ``rule_speedup`` keeps the run's own figure). Where it is on,
+  ``select_verify_set(policy="adaptive")`` takes
   ``ecospec``'s nodes only while they raise the step's tokens per cost, with eps and the
   step's starting account from ``selection_cost`` (primary profile, batch B).
 
@@ -86,8 +88,9 @@ METHOD = {
     ),
     "adaptive_gate": (
         "per (batch size, profile, EP size): speculate only where confidence selection, "
-        "measured at that batch size, is predicted faster than no speculation; otherwise "
-        "adaptive is the greedy run (speedup 1)"
+        "measured at that batch size, is predicted faster than no speculation, and the "
+        "adaptive run at that batch size too; otherwise adaptive is the greedy run (speedup "
+        "1; rule_speedup: the run's own prediction when it closed the gate)"
     ),
 }
 _LINE_STATUS = {"yes": "lossless", "tie": "lossless up to near ties", "NO": "NOT LOSSLESS"}
@@ -499,11 +502,16 @@ def run_sweep(cfg: dict, engine, prompts: list, *, out=None) -> dict:
                         progress.write(f"warning: not lossless: {label}: {message}", sys.stderr)
                 rep["runs"].append(entry)
                 for (p, r), perf in perfs.items():
+                    no_spec = _no_speculation_row(rep["greedy"][-1], greedy_steps, ar[p, r], r)
                     if spec_steps is None or (gate is not None and not gate[p, r]):
-                        row = _no_speculation_row(rep["greedy"][-1], greedy_steps, ar[p, r], r)
+                        row = no_spec
                     else:
                         priced = ep_cost.price_steps(spec_steps, perf, **shape, ep_size=r)
                         row = _row(entry, priced, spec_steps, greedy_steps, ar[p, r], perf, cfg)
+                        if gate is not None and row["speedup"] <= 1.0:
+                            # adaptive's own run at B is no faster: its bucket turns off.
+                            entry["speculates"][p][str(r)] = False
+                            row = {**no_spec, "rule_speedup": row["speedup"]}
                     speedups[policy, p, r] = row["speedup"]
                     rep["rows"].append(
                         {"batch_size": batch, "policy": policy, "profile": p, "ep_size": r, **row}
