@@ -571,19 +571,3 @@ def test_kv_cache_commit_and_select():
     cache.select(torch.tensor([2, 0]))
     assert cache.lengths.tolist() == [1, 4] and cache.width == 4
     assert cache.values[0][:, 0, :, 0][1].tolist() == [0, 1, 100, 102]
-
-
-def test_acceptance_calibration_by_hand():
-    from sgl_ecospec.engine.offline import AcceptanceCalibration
-
-    calibration = AcceptanceCalibration(topk=2, num_steps=2)  # depths [0, 0, 1, 1, 1, 1]
-    scores = torch.tensor([[0.8, 0.2, 0.4, 0.3, 0.1, 0.05], [0.5, 0.5, 0.25, 0.2, 0.2, 0.1]])
-    assert torch.equal(calibration.apply(scores), scores)  # the prior starts at factor 1
-    # Request 0 verified nodes 0 (depth 0) and 2 (depth 1) and accepted one draft; request 1
-    # verified node 1 only (padding -1) and accepted nothing.
-    calibration.update(scores, torch.tensor([[0, 2], [1, -1]]), torch.tensor([1, 0]))
-    expected = torch.tensor([(2 + 1) / (2 + 0.8 + 0.5), (2 + 0) / (2 + 0.4)], dtype=torch.float64)
-    torch.testing.assert_close(calibration.factor, expected)
-    scaled = calibration.apply(scores)
-    torch.testing.assert_close(scaled[:, :2], scores[:, :2] * expected[0].float())
-    torch.testing.assert_close(scaled[:, 2:], scores[:, 2:] * expected[1].float())

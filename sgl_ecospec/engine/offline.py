@@ -173,14 +173,13 @@ class OfflineEngine:
         drafter.extend(next_tokens, aux, lengths)
         rows = requests.emit(roots[:, None].tolist())
         steps = []
-        calibration = AcceptanceCalibration(spec.topk, spec.num_steps)
         while requests.active:
             if rows is not None:
                 cache.select(rows)
                 drafter.select(rows)
                 roots = roots[rows]
             step, roots, new_tokens = self._speculative_step(
-                spec, selection, predictor, drafter, cache, roots, calibration
+                spec, selection, predictor, drafter, cache, roots
             )
             step.request_ids = list(requests.active)
             steps.append(step)
@@ -197,7 +196,6 @@ class OfflineEngine:
         drafter: Drafter,
         cache: BatchKVCache,
         roots: torch.Tensor,
-        calibration: "AcceptanceCalibration",
     ) -> tuple[StepStats, torch.Tensor, list[list[int]]]:
         """Draft, select, verify, accept, record, learn and draft-extend once.
 
@@ -205,8 +203,6 @@ class OfflineEngine:
             selection: the keyword arguments of ``select_verify_set`` that come from
                 ``spec`` (``_selection_arguments``).
             roots: int64 ``[B]``: each request's last verified token (not yet in the cache).
-            calibration: the run's acceptance per draft probability, by depth; "adaptive"
-                selects on calibrated probabilities and every step updates it.
 
         Returns:
             the step's stats, the next roots ``[B]`` and each request's new tokens (accepted
@@ -218,11 +214,8 @@ class OfflineEngine:
         hidden = torch.cat([drafter.root_hidden[:, None], tree.hidden], 1)  # [B, 1 + N, H]
         predicted = self._predict(predictor, roots, tree, hidden, cache)  # [B, 1 + N, L, K]
         bitmaps = topk_to_bitmap(predicted, self.num_experts, validate=False)
-        scores = tree.scores
-        if spec.policy == "adaptive":
-            scores = calibration.apply(scores)
         selected = select_verify_set(
-            scores,
+            tree.scores,
             tree.parents,
             bitmaps[:, 1:],
             spec.num_draft_tokens - 1,
@@ -251,7 +244,6 @@ class OfflineEngine:
         row_hidden = hidden[batch, rows][verify.valid]  # [verified, H]
         predictor.observe(verify.tokens[verify.valid], routing, row_hidden, validate=False)
 
-        calibration.update(tree.scores, selected, counts - 1)
         cache.commit(path)
         drafter.extend(emitted, out.aux[batch, path.clamp_min(0)], counts)
         step = _step_stats(routing, self.num_experts, accepted=(counts - 1).tolist(), recall=recall)
@@ -356,53 +348,6 @@ class OfflineEngine:
                 f"are {draft_size}: train it on this draft (sgl-ecospec train-head)"
             )
         return predictor
-
-
-class AcceptanceCalibration:
-    """Accepted draft tokens per unit of draft probability, per tree depth, over a run.
-
-    A candidate's cumulative draft probability P is what the draft promises: the chance the
-    target accepts its whole path. Drafts are overconfident (on the full testbed a verify
-    set promising about 2 tokens yields about 0.5), and "adaptive" weighs P against cost to
-    decide how many nodes pay, so it selects on ``P * factor[depth]``, where factor[d] is
-    the accepted tokens at depth d over the P the selected depth-d nodes promised, both
-    summed over the run so far (plus ``prior`` pseudo-counts each, so it starts at 1). The
-    other policies only rank nodes, which a per-depth factor barely changes, and use raw P.
-
-    Args:
-        topk: k of the tree (its layout gives each candidate's depth).
-        num_steps: draft depth.
-        prior: pseudo-count of promised and of accepted tokens per depth.
-    """
-
-    def __init__(self, topk: int, num_steps: int, prior: float = 2.0):
-        self.depth = torch.tensor(
-            [0] * topk + [d for d in range(1, num_steps) for _ in range(topk * topk)]
-        )  # [N], 0-based depth of each candidate
-        self.promised = torch.full((num_steps,), prior, dtype=torch.float64)
-        self.accepted = torch.full((num_steps,), prior, dtype=torch.float64)
-
-    @property
-    def factor(self) -> torch.Tensor:
-        """float64 ``[num_steps]``: accepted over promised, per depth."""
-        return self.accepted / self.promised
-
-    def apply(self, scores: torch.Tensor) -> torch.Tensor:
-        """``scores [B, N]`` times the factor of each candidate's depth."""
-        factor = self.factor.to(scores.device, scores.dtype)
-        return scores * factor[self.depth.to(scores.device)]
-
-    def update(self, scores: torch.Tensor, selected: torch.Tensor, accepted: torch.Tensor):
-        """Adds a step: raw ``scores [B, N]``, ``selected [B, S]`` (-1 padded) and the
-        accepted draft tokens per request ``[B]`` (the path reaches depths 1..accepted)."""
-        taken = selected >= 0
-        depth = self.depth.to(selected.device)[selected.clamp_min(0)]  # [B, S]
-        promised = scores.gather(1, selected.clamp_min(0)).double() * taken
-        self.promised += torch.zeros_like(self.promised).index_add_(
-            0, depth[taken].cpu(), promised[taken].cpu()
-        )
-        levels = torch.arange(len(self.accepted))
-        self.accepted += (accepted.cpu()[:, None] > levels).sum(0).double()
 
 
 def _step_stats(routing: torch.Tensor, num_experts: int, **fields) -> StepStats:
