@@ -431,8 +431,12 @@ class OnlineExpertPredictor(ExpertPredictor):
             FileNotFoundError: no file at ``path``.
             ValueError: the file is not a predictor state or does not fit the model.
         """
-        expected = {"num_layers": num_layers, "num_experts": num_experts, "top_k": top_k}
-        state, source = _read_state(path, _STATE_FORMAT, expected)
+        shape = {"num_layers": num_layers, "num_experts": num_experts, "top_k": top_k}
+        return cls._from_state(_torch_load(path), _source(path), device=device, **shape)
+
+    @classmethod
+    def _from_state(cls, state, source: str, *, device, **expected) -> "OnlineExpertPredictor":
+        _check_state(state, source, _STATE_FORMAT, expected)
         predictor = cls(**state["config"], device=device)
         predictor.load_state_dict(state, source=source)
         return predictor
@@ -449,11 +453,13 @@ def _check_state_header(state, source: str, fmt: str = _STATE_FORMAT) -> None:
         )
 
 
-def _read_state(path: str | os.PathLike, fmt: str, expected: dict) -> tuple[dict, str]:
-    """(state, source) of a saved predictor file of format ``fmt`` whose config matches
-    the non-None entries of ``expected``."""
-    state = _torch_load(path)
-    source = f"predictor file {os.fspath(path)!r}"
+def _source(path: str | os.PathLike) -> str:
+    return f"predictor file {os.fspath(path)!r}"
+
+
+def _check_state(state, source: str, fmt: str, expected: dict) -> None:
+    """ValueError unless ``state`` is a saved predictor of format ``fmt`` whose config
+    matches the non-None entries of ``expected``."""
     _check_state_header(state, source, fmt)
     wanted = {key: value for key, value in expected.items() if value is not None}
     diffs = _config_diffs(state["config"], wanted)
@@ -462,12 +468,6 @@ def _read_state(path: str | os.PathLike, fmt: str, expected: dict) -> tuple[dict
             f"{source} was learnt for a different model ({diffs}); delete it or point to "
             f"the file saved for this model, or start a fresh predictor"
         )
-    return state, source
-
-
-def _file_format(path: str | os.PathLike) -> str | None:
-    state = _torch_load(path)
-    return state.get("format") if isinstance(state, dict) else None
 
 
 def _torch_load(path: str | os.PathLike):
@@ -674,7 +674,11 @@ class LowRankExpertHead(torch.nn.Module, ExpertPredictor):
             "top_k": top_k,
             "hidden_size": hidden_size,
         }
-        state, source = _read_state(path, _HEAD_FORMAT, expected)
+        return cls._from_state(_torch_load(path), _source(path), device=device, lr=lr, **expected)
+
+    @classmethod
+    def _from_state(cls, state, source: str, *, device, lr: float, **expected):
+        _check_state(state, source, _HEAD_FORMAT, expected)
         head = cls(**state["config"], lr=lr)
         try:
             head.load_state_dict(state["weights"])
@@ -732,10 +736,13 @@ def load_predictor(
         FileNotFoundError: no file at ``path``.
         ValueError: the file is neither kind or does not fit the model.
     """
+    state, source = _torch_load(path), _source(path)
     shape = {"num_layers": num_layers, "num_experts": num_experts, "top_k": top_k}
-    if _file_format(path) == _HEAD_FORMAT:
-        return LowRankExpertHead.load(path, device=device, hidden_size=hidden_size, **shape)
-    return OnlineExpertPredictor.load(path, device=device, **shape)
+    if isinstance(state, dict) and state.get("format") == _HEAD_FORMAT:
+        return LowRankExpertHead._from_state(
+            state, source, device=device, lr=0.0, hidden_size=hidden_size, **shape
+        )
+    return OnlineExpertPredictor._from_state(state, source, device=device, **shape)
 
 
 def train_expert_head(

@@ -211,7 +211,9 @@ class OfflineEngine:
         tree = drafter.grow(spec.num_steps)
         # The draft states behind the predictions: the root's own (after reading the root),
         # then the one that proposed each candidate.
-        hidden = torch.cat([drafter.root_hidden[:, None], tree.hidden], 1)  # [B, 1 + N, H]
+        hidden = None  # [B, 1 + N, H], gathered only for predictors that read it
+        if predictor.needs_hidden:
+            hidden = torch.cat([drafter.root_hidden[:, None], tree.hidden], 1)
         predicted = self._predict(predictor, roots, tree, hidden, cache)  # [B, 1 + N, L, K]
         bitmaps = topk_to_bitmap(predicted, self.num_experts, validate=False)
         selected = select_verify_set(
@@ -241,7 +243,7 @@ class OfflineEngine:
         rows = torch.cat([torch.zeros_like(selected[:, :1]), 1 + selected.clamp_min(0)], 1)
         row_guess = predicted[batch, rows]  # [B, T, L, K]
         recall = topk_recall(row_guess[verify.valid], routing, self.num_experts)
-        row_hidden = hidden[batch, rows][verify.valid]  # [verified, H]
+        row_hidden = None if hidden is None else hidden[batch, rows][verify.valid]  # [verified, H]
         predictor.observe(verify.tokens[verify.valid], routing, row_hidden, validate=False)
 
         cache.commit(path)
@@ -306,11 +308,12 @@ class OfflineEngine:
         predictor: ExpertPredictor,
         roots: torch.Tensor,
         tree: DraftTree,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | None,
         cache: BatchKVCache,
     ) -> torch.Tensor:
         """Predicted experts ``[B, 1 + N, L, K]`` of each request's root and candidates
-        (``hidden [B, 1 + N, H]``: their draft states, read by predictors that need them)."""
+        (``hidden [B, 1 + N, H]``: their draft states, for predictors that read them; None
+        for the others)."""
         tokens = torch.cat([roots[:, None], tree.tokens], 1)
         if isinstance(predictor, OracleExpertPredictor):
             everything = torch.arange(tree.tokens.shape[1], device=self.device)
@@ -320,7 +323,7 @@ class OfflineEngine:
             )
             cache.commit(cache.lengths.new_empty(tokens.shape[0], 0))
             predictor.prime(tokens.flatten(), out.routing.flatten(0, 1))
-        states = hidden.flatten(0, 1) if predictor.needs_hidden else None
+        states = None if hidden is None else hidden.flatten(0, 1)
         flat = predictor.predict_topk(tokens.flatten(), states, validate=False)
         return flat.view(*tokens.shape, *flat.shape[1:])
 
