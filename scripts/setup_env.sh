@@ -15,6 +15,13 @@ fi
 
 requirements_hash=$(sha256sum requirements.txt | cut -d' ' -f1)
 if [ "$(cat .venv/.requirements.sha256 2>/dev/null)" != "$requirements_hash" ]; then
+  # pip fails half-way with a bare "No space left on device" otherwise.
+  free_gb=$(($(df -Pk . | awk 'NR == 2 {print $4}') / 1024 / 1024))
+  if [ "$free_gb" -lt 12 ]; then
+    echo "[setup] error: installing needs about 12 GB free on the disk of $PWD; it has ${free_gb} GB." >&2
+    echo "[setup] free some space (old clones' .venv/, ~/.cache/pip) and run again." >&2
+    exit 1
+  fi
   echo "[setup] installing requirements.txt (first run: about 4 minutes and 11 GB)"
   .venv/bin/python -m pip install --quiet --upgrade pip
   grep -v -- '# no-deps' requirements.txt >.venv/requirements-deps.txt
