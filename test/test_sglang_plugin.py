@@ -393,36 +393,28 @@ def test_ep_cost_follows_the_busiest_rank_and_eplb_updates(monkeypatch):
         selector.set_roots(torch.tensor([1]))
         return selector.organize(score_list, token_list, parents_list, 2)[2].tolist()
 
+    def make(settings, placement=None):
+        return selection.EcoSpecSelector(
+            settings,
+            predictor,
+            topk=2,
+            num_draft_tokens=2,
+            max_batch=2,
+            device="cpu",
+            placement=placement,
+        )
+
     settings = EcoSpecSettings(log_interval=0)
-    plain = selection.EcoSpecSelector(
-        settings, predictor, topk=2, num_draft_tokens=2, max_batch=2, device="cpu"
-    )
-    assert choose(plain) == [[10]]  # both add one expert: the higher P wins
+    assert choose(make(settings)) == [[10]]  # both add one expert: the higher P wins
     placement = ep_placement.ExpertPlacement(layout, [1], 8, "cpu")
-    selector = selection.EcoSpecSelector(
-        settings,
-        predictor,
-        topk=2,
-        num_draft_tokens=2,
-        max_batch=2,
-        device="cpu",
-        placement=placement,
-    )
+    selector = make(settings, placement)
     assert choose(selector) == [[11]]  # 0.45 / (0.5 + eps) beats 0.55 / (1 + eps)
     call = calls[-1]
     assert call["expert_rank"] is placement.expert_rank and call["num_ranks"] == 2
     assert call["total_weight"] is None  # the op's default, 1 / R
     assert placement.expert_rank.tolist() == [[0, 0, 0, 0, 1, 1, 1, 1]]
     # total_weight from the settings reaches the op: 1 prices every added expert alike.
-    flat = selection.EcoSpecSelector(
-        EcoSpecSettings(log_interval=0, total_weight=1.0),
-        predictor,
-        topk=2,
-        num_draft_tokens=2,
-        max_batch=2,
-        device="cpu",
-        placement=placement,
-    )
+    flat = make(EcoSpecSettings(log_interval=0, total_weight=1.0), placement)
     assert choose(flat) == [[10]] and calls[-1]["total_weight"] == 1.0
 
     # EPLB swaps experts 2 and 5 in layer 1 (SGLang's in-place update, through our hook).
