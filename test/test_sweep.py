@@ -462,6 +462,17 @@ def test_adaptive_does_not_speculate_where_it_cannot_pay(tiny_models, tmp_path):
     assert checks["ecospec_expert_reduction"]["passed"] is None  # ecospec not run
 
 
+def test_oracle_predictor_sweep(tiny_models, tmp_path):
+    rep, _ = _sweep(tiny_models, "draft", tmp_path, "--policies", "ecospec,ecospec-ep")
+    assert rep["config"]["predictor"] == "online"
+    assert all(r["predictor_recall"] < 1.0 for r in rep["runs"])
+    rep, _ = _sweep(
+        tiny_models, "draft", tmp_path, "--policies", "ecospec,ecospec-ep", "--predictor", "oracle"
+    )
+    assert rep["config"]["predictor"] == "oracle"
+    assert [r["predictor_recall"] for r in rep["runs"]] == [1.0] * 2 * len(BATCHES)
+
+
 def test_checks_report_failures():
     def row(batch, policy, speedup, stderr=0.01, busiest=4.0):
         return {

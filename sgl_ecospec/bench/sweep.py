@@ -141,6 +141,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=64)
     add_tree_arguments(gen)
     gen.add_argument(
+        "--predictor",
+        choices=("online", "oracle"),
+        default="online",
+        help="online: routing counts learnt while decoding; oracle: the true routing (what "
+        "the policies would do with a perfect predictor)",
+    )
+    gen.add_argument(
         "--share-buffer",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -240,7 +247,7 @@ def validate(args: argparse.Namespace) -> dict:
         "candidates": candidates,
         "budget": args.budget,
         "share_buffer": args.share_buffer,
-        "predictor": "online",
+        "predictor": args.predictor,
         "target": args.target,
         "draft": args.draft,
         "small": args.small,
@@ -359,10 +366,11 @@ def _speculative(cfg, engine, spec, groups, prompts, greedy, progress, label) ->
     from sgl_ecospec.predictor import OnlineExpertPredictor
 
     torch.manual_seed(cfg["seed"])
-    # A fresh predictor per run, learning over all of its batches.
-    predictor = OnlineExpertPredictor(
-        engine.num_layers, engine.num_experts, engine.top_k, device=cfg["device"]
-    )
+    predictor = cfg["predictor"]
+    if predictor == "online":  # a fresh one per run, learning over all of its batches
+        predictor = OnlineExpertPredictor(
+            engine.num_layers, engine.num_experts, engine.top_k, device=cfg["device"]
+        )
     limit, started = cfg["max_new_tokens"], time.perf_counter()
     steps, index = [], 0
     check = OutputCheck(engine, cfg["check_lossless"], label)
