@@ -169,6 +169,37 @@ def test_draft_training_learns_a_toy_target():
     assert min(history[-1]["acc"]) > 0.7  # chance: 1/40
 
 
+def test_read_text_matches_one_forward_per_chunk():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    model = LlamaForCausalLM(config).eval()
+    chunks = torch.randint(50, (3, 7))
+    lines = []
+    samples = draft_training.read_text(
+        model, chunks, aux_layer_ids=(0, 2), soft_top_k=4, batch=2, log=lines.append
+    )
+    assert len(samples) == 3 and len(lines) == 2 and "3/3 chunks" in lines[-1]
+    for chunk, sample in zip(chunks, samples, strict=True):
+        with torch.no_grad():
+            out = model(input_ids=chunk[None], output_hidden_states=True)
+        aux = torch.cat([out.hidden_states[1], out.hidden_states[3]], -1)[0]
+        assert torch.equal(sample.tokens, chunk) and sample.aux.dtype == torch.bfloat16
+        torch.testing.assert_close(sample.aux.float(), aux, atol=2e-2, rtol=1e-2)
+        assert torch.equal(sample.greedy, out.logits[0].argmax(-1))
+        probs = torch.softmax(out.logits[0], -1).gather(1, sample.top_ids)
+        torch.testing.assert_close(sample.top_probs, probs)
+        assert (sample.top_probs[:, :-1] >= sample.top_probs[:, 1:]).all()
+
+
 def test_init_draft_vocabulary_mixes_greedy_and_text_counts():
     gen = torch.Generator().manual_seed(0)
     samples = _toy_samples(gen, count=4, vocab=40)  # greedy tokens: 1 + start + 0..15

@@ -11,7 +11,8 @@ is always complete. A file lock next to it serialises concurrent builds of one r
    also yields teacher-forced draft data;
 4. MoE perplexity and greedy answers;
 5. export of the target (Qwen2-MoE, ``export.py``) and of probe logits for the tests;
-6. draft data: the target answers ShareGPT first turns greedily, recording its states;
+6. draft data: the target reads ShareGPT text teacher-forced (full variant) or answers
+   ShareGPT first turns greedily (small variant), recording its states;
 7. draft training (``draft_training.py``);
 8. acceptance length on MT-Bench first turns (``acceptance.py``).
 
@@ -72,6 +73,17 @@ class _Phases:
         self.log(f"[testbed] {name}: {self.seconds[name]:.1f}s")
 
 
+@contextlib.contextmanager
+def _threads(count: int):
+    """Runs the block with ``count`` torch threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def select_layers(model: nn.Module, keep: tuple[int, ...] | None) -> None:
     """Keeps only decoder layers ``keep`` (renumbered 0..n-1) of a ``LlamaForCausalLM``."""
     if keep is None:
@@ -100,15 +112,13 @@ def build(recipe: Recipe, *, force: bool = False, log: Callable[[str], None] = _
             return out
         work = out.with_name(out.name + ".partial")
         shutil.rmtree(work, ignore_errors=True)
-        # One thread: the build's float results then do not depend on the machine's core
-        # count, and on a busy 2-core machine a second thread makes small matmuls (decode
-        # steps) 10-50x slower; on an idle one it would save at most ~40%.
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        # A fixed thread count (one, and the recipe's for the draft's data and training):
+        # the build's float results then do not depend on the machine's core count. One
+        # thread for the rest: on a busy 2-core machine a second thread makes small
+        # matmuls (decode steps) 10-50x slower, while the draft's large matmuls gain ~1.75x
+        # from two on an idle one.
+        with _threads(1):
             _build_into(work, recipe, log)
-        finally:
-            torch.set_num_threads(threads)
         shutil.rmtree(out, ignore_errors=True)
         work.rename(out)
     return out
@@ -169,25 +179,38 @@ def _build_into(work: Path, recipe: Recipe, log: Callable[[str], None]) -> None:
         save_file({"input_ids": probe, "logits": logits.contiguous()}, str(work / PROBE_FILE))
 
     spec = recipe.draft
-    with phases("draft data"):
-        prompts = [
-            datasets.render_chat(tokenizer, conv[0]["content"]) for conv in convs[DRAFT_CONVS]
-        ]
-        prompts = [p for p in prompts if len(p) <= spec.max_prompt_tokens][: spec.prompts]
-        samples = draft_training.generate(
-            model,
-            prompts,
-            max_new_tokens=spec.max_new_tokens,
-            batch=spec.gen_batch,
-            aux_layer_ids=spec.aux_layer_ids,
-            soft_top_k=spec.soft_top_k,
-        )
+    with phases("draft data"), _threads(spec.threads):
+        samples, text_samples = [], []
+        if spec.prompts:
+            prompts = [
+                datasets.render_chat(tokenizer, conv[0]["content"]) for conv in convs[DRAFT_CONVS]
+            ]
+            prompts = [p for p in prompts if len(p) <= spec.max_prompt_tokens][: spec.prompts]
+            samples = draft_training.generate(
+                model,
+                prompts,
+                max_new_tokens=spec.max_new_tokens,
+                batch=spec.gen_batch,
+                aux_layer_ids=spec.aux_layer_ids,
+                soft_top_k=spec.soft_top_k,
+            )
+        if spec.text_chunks:
+            chunks = data.packed_chunks(
+                tokenizer, convs[DRAFT_CONVS], spec.text_chunks, recipe.chunk_len
+            )
+            text_samples = draft_training.read_text(
+                model,
+                chunks,
+                aux_layer_ids=spec.aux_layer_ids,
+                soft_top_k=spec.soft_top_k,
+                log=log,
+            )
         info["draft_data_tokens"] = {
             "generated": sum(len(s.tokens) for s in samples),
-            "teacher_forced": sum(len(s.tokens) for s in calib_samples),
+            "teacher_forced": sum(len(s.tokens) for s in text_samples + calib_samples),
         }
-        samples += calib_samples
-    with phases("draft training"):
+        samples += text_samples + calib_samples
+    with phases("draft training"), _threads(spec.threads):
         text_counts = data.token_counts(tokenizer, convs)
         draft = draft_training.init_draft(model, samples, text_counts, spec, recipe.seed)
         info["draft_history"] = draft_training.train_draft(

@@ -136,6 +136,44 @@ def _generate_batch(model, prompts, max_new_tokens, aux_layer_ids, soft_top_k) -
 
 
 @torch.no_grad()
+def read_text(
+    model: nn.Module,
+    chunks: torch.Tensor,
+    *,
+    aux_layer_ids: tuple[int, ...],
+    soft_top_k: int,
+    batch: int = 4,
+    log: Callable[[str], None] | None = None,
+) -> list[Sample]:
+    """Teacher-forced samples: the target reads text chunks, ``batch`` at a time.
+
+    Args:
+        chunks: int64 ``[B, L]`` token ids (packed chat-rendered text).
+        log: receives a progress line about every 10% of the chunks.
+
+    Returns:
+        One sample per chunk: its tokens, the aux states after each (output of target layer
+        a for a in ``aux_layer_ids``, as in :func:`generate`) and the target's top
+        ``soft_top_k`` next tokens after each.
+    """
+    samples, start = [], time.perf_counter()
+    for b in range(0, len(chunks), batch):
+        ids = chunks[b : b + batch]
+        out = model(input_ids=ids, output_hidden_states=True)
+        aux = torch.cat([out.hidden_states[a + 1] for a in aux_layer_ids], -1)
+        top_ids, top_probs = top_tokens(out.logits, soft_top_k)
+        samples += [
+            Sample(row, row_aux, row_ids, row_probs)
+            for row, row_aux, row_ids, row_probs in zip(
+                ids, aux.to(torch.bfloat16), top_ids, top_probs, strict=True
+            )
+        ]
+        if log is not None and len(samples) * 10 // len(chunks) > b * 10 // len(chunks):
+            log(f"  read {len(samples)}/{len(chunks)} chunks ({time.perf_counter() - start:.0f}s)")
+    return samples
+
+
+@torch.no_grad()
 def samples_from_states(
     model: nn.Module, ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor, soft_top_k: int
 ) -> list[Sample]:
