@@ -565,6 +565,10 @@ class LowRankExpertHead(torch.nn.Module, ExpertPredictor):
             shape ``[T, L, E]``, in the head's parameter dtype.
         """
         self._check_inputs(token_ids, hidden, validate=False)
+        return self._logits(hidden, token_ids)
+
+    def _logits(self, hidden: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
+        # forward without the input checks, for callers that made them once already.
         weight = self.up.weight
         hidden = hidden.to(weight.device, weight.dtype)
         # Draft states are pre-norm residual streams (norms in the hundreds on the testbed):
@@ -596,7 +600,7 @@ class LowRankExpertHead(torch.nn.Module, ExpertPredictor):
         """
         self._check_inputs(token_ids, hidden, validate)
         with torch.no_grad():
-            return torch.topk(self(hidden, token_ids), self.top_k, dim=-1).indices
+            return torch.topk(self._logits(hidden, token_ids), self.top_k, dim=-1).indices
 
     def observe(
         self,
@@ -713,7 +717,7 @@ class LowRankExpertHead(torch.nn.Module, ExpertPredictor):
 
 
 def _bce_loss(head: LowRankExpertHead, hidden, token_ids, topk_ids: torch.Tensor):
-    logits = head(hidden, token_ids)
+    logits = head._logits(hidden, token_ids)  # inputs checked by the callers
     target = multi_hot(topk_ids.to(logits.device), head.num_experts, validate=False)
     return torch.nn.functional.binary_cross_entropy_with_logits(logits, target.to(logits.dtype))
 
