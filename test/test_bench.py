@@ -369,6 +369,17 @@ def test_divergence_at_a_near_tie_is_reported_not_fatal(fake_engine, tmp_path, c
     assert metrics.lossless_status(run) == "tie"
 
 
+def test_a_mismatch_among_many_near_ties_is_not_a_tie():
+    check = bench_cli.OutputCheck(None, check_lossless=False, label="run")
+    check.mismatches = ["mismatch"]
+    check.near_ties = [f"tie {i} (near tie)" for i in range(bench_cli._MAX_MISMATCHES + 1)]
+    fields = check.fields()
+    assert fields["mismatches"][0] == "mismatch" and fields["mismatch_count"] == 1
+    assert metrics.lossless_status(fields) == "NO"
+    check.mismatches = []
+    assert metrics.lossless_status(check.fields()) == "tie"
+
+
 def test_testbed_without_routing_choice_is_rejected(fake_engine, monkeypatch):
     monkeypatch.setattr(FakeEngine, "__init__", _dense_init)
     with pytest.raises(ValueError, match="routes every token to all 2 experts"):

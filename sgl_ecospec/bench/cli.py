@@ -303,10 +303,12 @@ class OutputCheck:
 
     def fields(self) -> dict:
         """``lossless`` (every output equal), ``near_ties`` (outputs that diverged only at
-        a near tie) and ``mismatches`` (the first messages, mismatches first)."""
+        a near tie), ``mismatch_count`` (the other diverged outputs) and ``mismatches``
+        (the first messages, mismatches first)."""
         return {
             "lossless": not (self.mismatches or self.near_ties),
             "near_ties": len(self.near_ties),
+            "mismatch_count": len(self.mismatches),
             "mismatches": (self.mismatches + self.near_ties)[:_MAX_MISMATCHES],
         }
 

@@ -218,8 +218,8 @@ def first_mismatch(expected: Sequence[int], got: Sequence[int]) -> int | None:
 
 
 def lossless_status(entry: dict) -> str:
-    """ "yes" (every output equal), "tie" (diverged only at near ties, ``near_ties``) or
-    "NO", for the tables of a run's ``lossless``/``near_ties``/``mismatches`` fields."""
+    """ "yes" (every output equal), "tie" (diverged only at near ties) or "NO", for the
+    tables of a run's ``lossless``/``mismatch_count`` fields (``OutputCheck.fields``)."""
     if entry["lossless"]:
         return "yes"
-    return "tie" if len(entry["mismatches"]) <= entry.get("near_ties", 0) else "NO"
+    return "tie" if entry["mismatch_count"] == 0 else "NO"
