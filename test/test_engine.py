@@ -241,6 +241,41 @@ def test_step_records_the_union_bitmap_and_rank_loads(setup, greedy):
             assert -(-union // 4) <= top <= min(union, 4)
 
 
+def test_paired_selection_scores_both_sets_on_the_same_trees(setup, greedy):
+    _, engine = setup
+    eco = SpecConfig(policy="ecospec", eps=0.05)
+    conf = SpecConfig(policy="confidence")
+    paired = engine.generate_speculative(PROMPTS, MAX_NEW, eco, compare=conf)
+    alone = {
+        name: engine.generate_speculative(PROMPTS, MAX_NEW, spec)
+        for name, spec in (("ecospec", eco), ("confidence", conf))
+    }
+    assert paired.outputs == alone["ecospec"].outputs == greedy[3].outputs
+    # The compared set is only scored: the decode is the unpaired one, step for step.
+    assert [s.accepted for s in paired.steps] == [s.accepted for s in alone["ecospec"].steps]
+    first = paired.steps[0]  # every run's first tree is the same one
+    assert first.paired_bitmaps.shape == (2, LAYERS, 1)
+    assert first.paired_bitmaps.device.type == "cpu"
+    for index, name in enumerate(("ecospec", "confidence")):
+        assert torch.equal(first.paired_bitmaps[index], alone[name].steps[0].expert_bitmap)
+    differ = 0
+    for step in paired.steps:
+        assert torch.equal(step.paired_bitmaps[0], step.expert_bitmap)
+        own, other = step.paired_scores
+        # Confidence takes the top scores, so no ancestor-closed set of its size sums higher.
+        assert 0 < own <= other + 1e-9
+        differ += not torch.equal(step.paired_bitmaps[0], step.paired_bitmaps[1])
+    assert differ > 0, "ecospec and confidence should pick different sets on some step"
+    assert all(s.paired_bitmaps is None for s in alone["ecospec"].steps)
+
+    same = engine.generate_speculative(PROMPTS[:1], 4, eco, compare=eco).steps
+    assert all(torch.equal(s.paired_bitmaps[0], s.paired_bitmaps[1]) for s in same)
+    with pytest.raises(ValueError, match="compare must grow the same tree.*topk 2 vs 4"):
+        engine.generate_speculative(PROMPTS, 2, eco, compare=SpecConfig(topk=2))
+    with pytest.raises(TypeError, match="compare must be a SpecConfig"):
+        engine.generate_speculative(PROMPTS, 2, eco, compare={"policy": "confidence"})
+
+
 def test_rank_loads_by_hand():
     # Layer 0: experts 0, 63 (the sign bit of word 0) and 64; layer 1: experts 1, 2, 3.
     bitmap = torch.tensor([[1 | (1 << 63) - (1 << 64), 1], [0b1110, 0]])

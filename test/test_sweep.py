@@ -30,6 +30,8 @@ class Step:
     accepted: list
     unique_experts: list
     expert_bitmap: torch.Tensor
+    paired_bitmaps: torch.Tensor | None = None
+    paired_scores: list | None = None
 
 
 def step_from_ids(batch, verified, accepted, ids_per_layer, num_experts):
@@ -409,6 +411,8 @@ def test_sweep_report_schema_and_plot(fitted_report):
         "adaptive_within_noise_of_confidence",
         "ecospec_expert_reduction",
         "ecospec_ep_lowers_busiest_rank",
+        "ecospec_expert_reduction_paired",
+        "ecospec_ep_lowers_busiest_rank_paired",
     }
     printed = sweep.format_tables(rep)
     assert "# measured on the testbed" in printed and "# bars" in printed
@@ -531,3 +535,91 @@ def test_checks_report_failures():
     # Batch 16: fewer busiest-rank experts on the testbed but more once scaled: not met.
     ep = checks["ecospec_ep_lowers_busiest_rank"]
     assert [d["passed"] for d in ep["detail"]] == [True, False] and ep["passed"] is False
+    # Without --paired runs the paired bars are not evaluated.
+    assert checks["ecospec_expert_reduction_paired"] == {"passed": None, "detail": []}
+    assert checks["ecospec_ep_lowers_busiest_rank_paired"]["passed"] is None
+
+    def paired(difference, stderr, against):
+        return {"difference": difference, "stderr": stderr, "against": against}
+
+    runs = {(e["batch_size"], e["policy"]): e for e in rep["runs"]}
+    runs[2, "ecospec"]["paired"] = {"experts_per_layer_step": paired(-2.0, 0.5, 20.0)}
+    runs[16, "ecospec"]["paired"] = {"experts_per_layer_step": paired(-9.0, 0.1, 50.0)}
+    runs[2, "ecospec-ep"]["paired"] = {"busiest_rank_experts_ep8": paired(-0.2, 0.05, 5.0)}
+    runs[16, "ecospec-ep"]["paired"] = {"busiest_rank_experts_ep8": paired(-0.2, 0.15, 9.0)}
+    checks = sweep.checks(rep)
+    reduction = checks["ecospec_expert_reduction_paired"]
+    # Batch 16 lies outside the batch 1-8 bar; batch 2 is 4 standard errors below zero.
+    assert reduction["passed"] is True and [d["batch_size"] for d in reduction["detail"]] == [2]
+    assert reduction["detail"][0]["relative"] == pytest.approx(-0.1)
+    ep = checks["ecospec_ep_lowers_busiest_rank_paired"]
+    assert [d["passed"] for d in ep["detail"]] == [True, False] and ep["passed"] is False
+    assert ep["detail"][1]["noise"] == pytest.approx(0.3)
+
+
+def test_paired_summary_by_hand():
+    # Two steps on 8 experts, 2 EP ranks (experts 0-3 | 4-7), one layer.
+    def step(own, other, scores):
+        bitmaps = torch.stack([topk_to_bitmap(torch.tensor([ids]), 8) for ids in (own, other)])
+        return dataclasses.replace(
+            step_from_ids(1, 3, [0], [own], 8), paired_bitmaps=bitmaps, paired_scores=scores
+        )
+
+    steps = [
+        step([0, 1, 4], [0, 1, 2, 3], [0.5, 0.75]),  # union 3 vs 4; busiest 2 vs 4
+        step([0, 4, 5], [0, 1, 4], [1.0, 1.0]),  # union 3 vs 3; busiest 2 vs 2
+    ]
+    summary = sweep.paired_summary(steps, {"num_experts": 8}, [1, 2])
+    assert summary["steps"] == 2
+    assert summary["experts_per_layer_step"] == {
+        "run": 3.0,
+        "against": 3.5,
+        "difference": -0.5,
+        "stderr": pytest.approx(0.5),  # std of (-1, 0) is 0.707..., over sqrt(2)
+    }
+    busiest = summary["busiest_rank_experts_ep2"]
+    assert (busiest["run"], busiest["against"], busiest["difference"]) == (2.0, 3.0, -1.0)
+    assert busiest["stderr"] == pytest.approx(1.0)
+    assert summary["draft_score"]["difference"] == pytest.approx(-0.125)
+    assert "busiest_rank_experts_ep1" not in summary
+
+
+def test_paired_sweep_on_the_engine(tiny_models, tmp_path):
+    policies = "confidence,ecospec,ecospec-ep"
+    rep, _ = _sweep(tiny_models, "draft", tmp_path, "--policies", policies, "--paired")
+    assert rep["config"]["paired"] is True
+    for run in rep["runs"]:
+        if run["policy"] == "confidence":
+            assert "paired" not in run
+            continue
+        paired = run["paired"]
+        assert paired["against"] == sweep.PAIRED_AGAINST[run["policy"]]
+        assert paired["steps"] > 0
+        assert set(paired) == {
+            "against",
+            "steps",
+            "experts_per_layer_step",
+            "busiest_rank_experts_ep4",
+            "draft_score",
+        }
+        # The run's own sets are the ones it verified (the tiny target routes the whole
+        # tree as it routes the verify rows).
+        assert paired["experts_per_layer_step"]["run"] == pytest.approx(
+            run["experts_per_layer_step"]
+        )
+        assert paired["busiest_rank_experts_ep4"]["run"] == pytest.approx(
+            run["busiest_rank_experts"]["4"]
+        )
+        for value in paired.values():
+            if isinstance(value, dict):
+                assert value["difference"] == pytest.approx(value["run"] - value["against"])
+                assert value["stderr"] >= 0
+    # Confidence takes the top draft scores, so ecospec's sets never score higher.
+    eco = [r for r in rep["runs"] if r["policy"] == "ecospec"]
+    assert all(r["paired"]["draft_score"]["difference"] <= 1e-9 for r in eco)
+    checks = rep["checks"]
+    assert checks["ecospec_expert_reduction_paired"]["passed"] is not None
+    assert len(checks["ecospec_ep_lowers_busiest_rank_paired"]["detail"]) == len(BATCHES)
+    printed = sweep.format_tables(rep)
+    assert "# paired on the same trees" in printed
+    assert "ecospec-ep ecospec" in printed

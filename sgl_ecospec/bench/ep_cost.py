@@ -51,7 +51,12 @@ def contiguous_expert_rank(num_experts: int, ep_size: int) -> torch.Tensor:
 def busiest_rank_experts(steps: Sequence, num_experts: int, ep_size: int) -> np.ndarray:
     """float64 ``[S, L]``: per step and layer, the most distinct experts one rank holds
     under ``contiguous_expert_rank`` (from each step's ``expert_bitmap`` ``[L, W]``)."""
-    bitmaps = torch.stack([s.expert_bitmap for s in steps])  # [S, L, W]
+    return busiest_rank_loads(torch.stack([s.expert_bitmap for s in steps]), num_experts, ep_size)
+
+
+def busiest_rank_loads(bitmaps: torch.Tensor, num_experts: int, ep_size: int) -> np.ndarray:
+    """float64 ``[..., L]``: the most experts of each layer bitmap (int64 ``[..., L, W]``)
+    that one rank holds under ``contiguous_expert_rank``; the union when ``ep_size`` is 1."""
     loads = rank_loads(bitmaps, contiguous_expert_rank(num_experts, ep_size), ep_size)
     return loads.amax(-1).double().numpy()
 

@@ -21,6 +21,11 @@ greedily (no speculation, the baseline every speedup is over) and once per polic
   ``ecospec``'s nodes only while they raise the step's tokens per cost, with eps and the
   step's starting account from ``selection_cost`` (primary profile, batch B).
 
+With ``--paired`` the ecospec run also scores confidence's choice, and the ecospec-ep run
+ecospec's, on each of its own steps (same tree, same predictions, same buffer seed), and
+both sets' true expert unions are compared step by step (``paired``): the effect of the
+selection alone, free of two decodes drifting apart.
+
 Every run is priced for every profile at every EP size by ``ep_cost`` (unions scaled by the
 effective-token method, busiest rank by the imbalance method, expert loads by the busiest
 rank under EP), on the hardware profile times the EP size (EP 8 on ``8xh200``).
@@ -96,6 +101,8 @@ METHOD = {
 _LINE_STATUS = {"yes": "lossless", "tie": "lossless up to near ties", "NO": "NOT LOSSLESS"}
 # Batch sizes where EcoSpec is meant to keep its expert reduction (the issue's bar).
 SMALL_BATCHES = (1, 2, 4, 8)
+# With --paired: the policy each run's steps also score (the one it is measured against).
+PAIRED_AGAINST = {"ecospec": "confidence", "ecospec-ep": "ecospec"}
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -146,6 +153,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default="online",
         help="online: routing counts learnt while decoding; oracle: the true routing (what "
         "the policies would do with a perfect predictor)",
+    )
+    gen.add_argument(
+        "--paired",
+        action="store_true",
+        help="ecospec also scores confidence's choice, and ecospec-ep ecospec's, on each of "
+        "its own steps: both sets' true expert unions compared on the same trees (one extra "
+        "target pass over the whole tree per step of those runs)",
     )
     gen.add_argument(
         "--share-buffer",
@@ -248,6 +262,7 @@ def validate(args: argparse.Namespace) -> dict:
         "budget": args.budget,
         "share_buffer": args.share_buffer,
         "predictor": args.predictor,
+        "paired": args.paired,
         "target": args.target,
         "draft": args.draft,
         "small": args.small,
@@ -359,8 +374,48 @@ def _busiest(steps, testbed: dict, ep_sizes) -> dict[str, float]:
     }
 
 
-def _speculative(cfg, engine, spec, groups, prompts, greedy, progress, label) -> tuple:
-    """One policy at one batch size over every batch: (steps, testbed metrics)."""
+def paired_summary(steps, testbed: dict, ep_sizes) -> dict:
+    """The paired comparison of a run's verify sets with the compared policy's.
+
+    Per step, each quantity is the run's set minus the compared set on the same tree:
+    distinct experts per layer (mean over layers), busiest-rank experts per layer at each
+    EP size > 1 (contiguous placement), and summed cumulative draft probability (the
+    draft's estimate of accepted tokens). Reported as the means of both, the mean
+    difference and its standard error (steps taken as independent).
+
+    Args:
+        steps: ``StepStats`` with ``paired_bitmaps [2, L, W]`` and ``paired_scores``.
+        testbed: ``{"num_experts", ...}`` of the target.
+        ep_sizes: EP sizes; those above 1 get a busiest-rank entry.
+    """
+    import torch
+
+    bitmaps = torch.stack([s.paired_bitmaps for s in steps])  # [S, 2, L, W]
+    experts = testbed["num_experts"]
+    values = {"experts_per_layer_step": ep_cost.busiest_rank_loads(bitmaps, experts, 1).mean(-1)}
+    for r in ep_sizes:
+        if r > 1:
+            busiest = ep_cost.busiest_rank_loads(bitmaps, experts, r)  # [S, 2, L]
+            values[f"busiest_rank_experts_ep{r}"] = busiest.mean(-1)
+    values["draft_score"] = np.asarray([s.paired_scores for s in steps], dtype=np.float64)
+    summary = {"steps": len(steps)}
+    for name, pair in values.items():  # pair: [S, 2]
+        diff = pair[:, 0] - pair[:, 1]
+        stderr = diff.std(ddof=1) / math.sqrt(len(diff)) if len(diff) > 1 else 0.0
+        summary[name] = {
+            "run": float(pair[:, 0].mean()),
+            "against": float(pair[:, 1].mean()),
+            "difference": float(diff.mean()),
+            "stderr": float(stderr),
+        }
+    return summary
+
+
+def _speculative(
+    cfg, engine, spec, groups, prompts, greedy, progress, label, compare=None
+) -> tuple:
+    """One policy at one batch size over every batch: (steps, testbed metrics); with
+    ``compare`` (a ``SpecConfig``) the steps also score its selection."""
     import torch
 
     from sgl_ecospec.predictor import OnlineExpertPredictor
@@ -378,7 +433,7 @@ def _speculative(cfg, engine, spec, groups, prompts, greedy, progress, label) ->
     progress.bar.set_description(label)
     for group in groups:
         result = engine.generate_speculative(
-            group, limit, spec, predictor=predictor, progress=progress.on_step
+            group, limit, spec, predictor=predictor, progress=progress.on_step, compare=compare
         )
         for ids, got in zip(group, result.outputs, strict=True):
             check.compare(prompts[index], ids, greedy[index], list(got[:limit]))
@@ -490,6 +545,7 @@ def run_sweep(cfg: dict, engine, prompts: list, *, out=None) -> dict:
                     spec_steps = None
                 else:
                     label = f"batch {batch} {policy}"
+                    against = PAIRED_AGAINST.get(policy) if cfg["paired"] else None
                     spec_steps, measured = _speculative(
                         cfg,
                         engine,
@@ -499,12 +555,16 @@ def run_sweep(cfg: dict, engine, prompts: list, *, out=None) -> dict:
                         greedy,
                         progress,
                         label,
+                        compare=None if against is None else SpecConfig(**configs[against]),
                     )
                     entry.update(
                         ran=True,
                         **measured,
                         busiest_rank_experts=_busiest(spec_steps, testbed, cfg["ep_sizes"]),
                     )
+                    if against is not None:
+                        summary = paired_summary(spec_steps, testbed, cfg["ep_sizes"])
+                        entry["paired"] = {"against": against, **summary}
                     progress.write(_run_line(entry, cfg), out)
                     for message in entry["mismatches"]:
                         progress.write(f"warning: not lossless: {label}: {message}", sys.stderr)
@@ -574,6 +634,10 @@ def checks(rep: dict) -> dict:
       per step below confidence's.
     - ``ecospec_ep_lowers_busiest_rank``: at the largest EP size, ecospec-ep's busiest-rank
       experts below ecospec's, at every batch size (testbed, and scaled per profile).
+    - ``ecospec_expert_reduction_paired`` and ``ecospec_ep_lowers_busiest_rank_paired``
+      (``--paired`` runs only): the same two comparisons made on the same trees, each
+      passed where the mean paired difference is below zero by more than twice its
+      standard error.
 
     Each is ``{"passed": bool | None (not evaluated), "detail": [...]}``.
     """
@@ -638,6 +702,26 @@ def checks(rep: dict) -> dict:
                 | {"passed": ep < eco and all(a < c for a, c in scaled.values())}
             )
     verdict("ecospec_ep_lowers_busiest_rank", {"ecospec", "ecospec-ep"}, detail)
+
+    for name, policy, quantity, batches in (
+        ("ecospec_expert_reduction_paired", "ecospec", "experts_per_layer_step", SMALL_BATCHES),
+        (
+            "ecospec_ep_lowers_busiest_rank_paired",
+            "ecospec-ep",
+            f"busiest_rank_experts_ep{ranks}",
+            cfg["batch_sizes"],
+        ),
+    ):
+        detail = []
+        for b in (b for b in cfg["batch_sizes"] if b in batches):
+            paired = runs.get((b, policy), {}).get("paired", {}).get(quantity)
+            if paired is not None:
+                diff, noise = paired["difference"], 2 * paired["stderr"]
+                detail.append(
+                    {"batch_size": b, "difference": diff, "noise": noise}
+                    | {"relative": diff / paired["against"], "passed": diff < -noise}
+                )
+        verdict(name, {policy}, detail)
     return result
 
 
@@ -695,6 +779,22 @@ def format_tables(rep: dict) -> str:
             f"{status:>8}",
         ]
         lines.append(" ".join(cells))
+    paired = [e for e in rep["runs"] if "paired" in e]
+    if paired:
+        lines += [
+            "",
+            "# paired on the same trees: run minus the compared policy's set, mean +- stderr",
+            "batch policy     against    experts diff      +-  "
+            + " ".join(f"busy@EP{r} diff     +-" for r in ranks)
+            + "  draft score diff",
+        ]
+        for e in paired:
+            p = e["paired"]
+            cells = [f"{e['batch_size']:5d} {e['policy']:<10} {p['against']:<10}"]
+            for name in ["experts_per_layer_step"] + [f"busiest_rank_experts_ep{r}" for r in ranks]:
+                cells.append(f"{p[name]['difference']:+12.3f} {p[name]['stderr']:6.3f}")
+            cells.append(f"{p['draft_score']['difference']:+17.3f}")
+            lines.append(" ".join(cells))
     for profile in cfg["profiles"]:
         for r in cfg["ep_sizes"]:
             lines += [

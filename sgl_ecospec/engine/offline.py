@@ -16,8 +16,15 @@ One speculative step for a batch (all requests in lockstep, as SGLang's worker r
    the target cache keeps exactly the root and the accepted tokens;
 6. record and learn: accepted counts, distinct experts per layer over all verified tokens
    of the batch (and their union bitmap, for per-rank loads), predictor recall on them;
-   the predictor observes their routing (with their draft states);
+   the predictor observes their routing (with their draft states); with a paired
+   selection (``compare``), the true expert unions of both verify sets (below);
 7. draft extend: the draft reads the accepted rows' aux states, which seeds the next root.
+
+Paired selections. ``generate_speculative(..., compare=other_spec)`` also runs
+``other_spec``'s selection on every step's tree and predictions, without verifying it, and
+records the true expert union of both verify sets, read from one extra target pass over
+the whole tree (as the oracle's): two policies compared on the same steps, free of the
+noise of two decodes drifting apart.
 
 Shape legend: B = requests, P = longest prompt, T = verify rows, N = candidates, L = MoE
 layers, K = experts per token, W = bitmap words per layer.
@@ -138,6 +145,7 @@ class OfflineEngine:
         spec: SpecConfig,
         predictor: ExpertPredictor | str = "online",
         progress: Callable[[StepStats], None] | None = None,
+        compare: SpecConfig | None = None,
     ) -> SpecResult:
         """Tree speculative decoding; greedy, so outputs equal :meth:`generate_greedy`'s.
 
@@ -149,6 +157,11 @@ class OfflineEngine:
                 fresh :class:`OnlineExpertPredictor`) or "oracle" (the true routing, at the
                 cost of one extra target forward over the whole tree per step).
             progress: called with each step's :class:`StepStats` as it completes.
+            compare: a second selection, scored on every step's tree and predictions but
+                not verified; each step then records ``paired_bitmaps`` and
+                ``paired_scores`` (one extra target forward over the whole tree per step,
+                shared with the oracle's). Its tree growth (topk, num_steps,
+                tree_attention) must be ``spec``'s.
 
         Returns:
             outputs, one :class:`StepStats` per verify step, and the predictor's recall
@@ -157,6 +170,7 @@ class OfflineEngine:
         if self.draft is None:
             raise ValueError("speculative decoding needs a draft: pass draft_dir to the engine")
         selection = self._selection_arguments(spec)
+        paired = None if compare is None else self._paired_arguments(spec, compare)
         predictor = self._resolve_predictor(predictor)
         requests = Requests(len(prompts), max_new_tokens, self.eos_token_ids)
         if not requests.active:
@@ -179,7 +193,7 @@ class OfflineEngine:
                 drafter.select(rows)
                 roots = roots[rows]
             step, roots, new_tokens = self._speculative_step(
-                spec, selection, predictor, drafter, cache, roots
+                spec, selection, predictor, drafter, cache, roots, paired
             )
             step.request_ids = list(requests.active)
             steps.append(step)
@@ -196,6 +210,7 @@ class OfflineEngine:
         drafter: Drafter,
         cache: BatchKVCache,
         roots: torch.Tensor,
+        paired: tuple[int, dict] | None = None,
     ) -> tuple[StepStats, torch.Tensor, list[list[int]]]:
         """Draft, select, verify, accept, record, learn and draft-extend once.
 
@@ -203,6 +218,7 @@ class OfflineEngine:
             selection: the keyword arguments of ``select_verify_set`` that come from
                 ``spec`` (``_selection_arguments``).
             roots: int64 ``[B]``: each request's last verified token (not yet in the cache).
+            paired: (budget, selection keywords) of the compared selection, or None.
 
         Returns:
             the step's stats, the next roots ``[B]`` and each request's new tokens (accepted
@@ -214,17 +230,24 @@ class OfflineEngine:
         hidden = None  # [B, 1 + N, H], gathered only for predictors that read it
         if predictor.needs_hidden:
             hidden = torch.cat([drafter.root_hidden[:, None], tree.hidden], 1)
-        predicted = self._predict(predictor, roots, tree, hidden, cache)  # [B, 1 + N, L, K]
+        truth = None  # [B, 1 + N, L, K]: the target's routing of the whole tree
+        if paired is not None or isinstance(predictor, OracleExpertPredictor):
+            truth = self._tree_routing(roots, tree, cache)
+        predicted = self._predict(predictor, roots, tree, hidden, truth)  # [B, 1 + N, L, K]
         bitmaps = topk_to_bitmap(predicted, self.num_experts, validate=False)
-        selected = select_verify_set(
-            tree.scores,
-            tree.parents,
-            bitmaps[:, 1:],
-            spec.num_draft_tokens - 1,
-            root_experts=bitmaps[:, 0],
-            validate=False,
-            **selection,
-        )
+
+        def select(budget: int, arguments: dict) -> torch.Tensor:
+            return select_verify_set(
+                tree.scores,
+                tree.parents,
+                bitmaps[:, 1:],
+                budget,
+                root_experts=bitmaps[:, 0],
+                validate=False,
+                **arguments,
+            )
+
+        selected = select(spec.num_draft_tokens - 1, selection)
         # "adaptive" may select fewer than the budget (-1 padding): padding rows run in
         # the forward but see only themselves, are never accepted and are not counted.
         verify = build_verify_tree(roots, tree, selected)
@@ -249,6 +272,12 @@ class OfflineEngine:
         cache.commit(path)
         drafter.extend(emitted, out.aux[batch, path.clamp_min(0)], counts)
         step = _step_stats(routing, self.num_experts, accepted=(counts - 1).tolist(), recall=recall)
+        if paired is not None:
+            other = select(*paired)
+            step.paired_bitmaps = torch.stack(
+                [_selection_union(truth, s, self.num_experts) for s in (selected, other)]
+            ).cpu()
+            step.paired_scores = [_selected_score(tree.scores, s) for s in (selected, other)]
         new_tokens = [row[:n] for row, n in zip(emitted.tolist(), counts.tolist(), strict=True)]
         return step, emitted[batch[:, 0], counts - 1], new_tokens
 
@@ -283,6 +312,19 @@ class OfflineEngine:
             args.update(expert_rank=ranks, num_ranks=spec.num_ranks, total_weight=spec.total_weight)
         return args
 
+    def _paired_arguments(self, spec: SpecConfig, compare: SpecConfig) -> tuple[int, dict]:
+        """(budget, ``select_verify_set`` keywords) of ``compare``, whose tree must be
+        ``spec``'s (both selections read the same tree)."""
+        if not isinstance(compare, SpecConfig):
+            raise TypeError(f"compare must be a SpecConfig, got {type(compare).__name__}")
+        fields = ("topk", "num_steps", "tree_attention")
+        if any(getattr(spec, f) != getattr(compare, f) for f in fields):
+            raise ValueError(
+                "compare must grow the same tree as spec: "
+                + ", ".join(f"{f} {getattr(compare, f)!r} vs {getattr(spec, f)!r}" for f in fields)
+            )
+        return compare.num_draft_tokens - 1, self._selection_arguments(compare)
+
     def _prefill(self, prompts: list[list[int]]):
         """Runs the prompts; returns the cache (holding them), the first generated token
         ``[B]`` and the aux states ``[B, P, A*H]`` (None without a draft)."""
@@ -303,26 +345,34 @@ class OfflineEngine:
         width = max(len(p) for p in prompts)
         return torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=self.device)
 
+    def _tree_routing(
+        self, roots: torch.Tensor, tree: DraftTree, cache: BatchKVCache
+    ) -> torch.Tensor:
+        """The target's routing ``[B, 1 + N, L, K]`` of every root and candidate, from one
+        forward over the whole tree (each row sees the prefix and its ancestors, as in any
+        verify pass); the cache keeps nothing of it."""
+        everything = torch.arange(tree.tokens.shape[1], device=self.device)
+        whole = build_verify_tree(roots, tree, everything.expand(roots.shape[0], -1))
+        out = self.target.forward(
+            whole.tokens, cache.lengths[:, None] + whole.depth, cache, whole.mask
+        )
+        cache.commit(cache.lengths.new_empty(roots.shape[0], 0))
+        return out.routing
+
     def _predict(
         self,
         predictor: ExpertPredictor,
         roots: torch.Tensor,
         tree: DraftTree,
         hidden: torch.Tensor | None,
-        cache: BatchKVCache,
+        truth: torch.Tensor | None,
     ) -> torch.Tensor:
         """Predicted experts ``[B, 1 + N, L, K]`` of each request's root and candidates
         (``hidden [B, 1 + N, H]``: their draft states, for predictors that read them; None
-        for the others)."""
+        for the others; ``truth``: ``_tree_routing``'s, which primes the oracle)."""
         tokens = torch.cat([roots[:, None], tree.tokens], 1)
         if isinstance(predictor, OracleExpertPredictor):
-            everything = torch.arange(tree.tokens.shape[1], device=self.device)
-            whole = build_verify_tree(roots, tree, everything.expand(tokens.shape[0], -1))
-            out = self.target.forward(
-                whole.tokens, cache.lengths[:, None] + whole.depth, cache, whole.mask
-            )
-            cache.commit(cache.lengths.new_empty(tokens.shape[0], 0))
-            predictor.prime(tokens.flatten(), out.routing.flatten(0, 1))
+            predictor.prime(tokens.flatten(), truth.flatten(0, 1))
         states = None if hidden is None else hidden.flatten(0, 1)
         flat = predictor.predict_topk(tokens.flatten(), states, validate=False)
         return flat.view(*tokens.shape, *flat.shape[1:])
@@ -364,6 +414,22 @@ def _step_stats(routing: torch.Tensor, num_experts: int, **fields) -> StepStats:
         expert_bitmap=bitmap.cpu(),
         **fields,
     )
+
+
+def _selection_union(truth: torch.Tensor, selected: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 ``[L, W]``: the union over the batch of the true routing ``truth [B, 1 + N, L, K]``
+    of every root and every candidate in ``selected [B, S]`` (-1 padding skipped)."""
+    rows = torch.cat([torch.zeros_like(selected[:, :1]), 1 + selected], 1)  # [B, 1 + S]
+    chosen = truth[_batch_index(rows).expand_as(rows)[rows >= 0], rows[rows >= 0]]
+    return union_bitmap(chosen, num_experts)
+
+
+def _selected_score(scores: torch.Tensor, selected: torch.Tensor) -> float:
+    """Sum over the batch of the cumulative draft probabilities ``scores [B, N]`` of the
+    candidates in ``selected [B, S]`` (-1 padding skipped): the draft's own estimate of
+    the accepted tokens the set can yield."""
+    taken = scores.gather(1, selected.clamp_min(0)).double()
+    return float(taken.masked_fill(selected < 0, 0).sum())
 
 
 def _overall_recall(steps: list[StepStats]) -> float | None:

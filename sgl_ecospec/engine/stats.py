@@ -27,6 +27,12 @@ class StepStats:
         expert_bitmap: int64 ``[L, W]`` on the CPU: per MoE layer, the union of experts
             ``unique_experts`` counts, as a bitmap (``sgl_ecospec.bitmaps`` layout); what
             :meth:`busiest_rank_experts` reads. None when not recorded.
+        paired_bitmaps: int64 ``[2, L, W]`` on the CPU, only with a paired selection
+            (``OfflineEngine.generate_speculative(compare=...)``): the true expert union
+            of the batch's verify set, then of the one the compared selection picked on
+            the same tree, both from one target pass over the whole tree.
+        paired_scores: with ``paired_bitmaps``: the two sets' summed cumulative draft
+            probabilities (the draft's estimate of the accepted tokens each can yield).
     """
 
     batch_size: int
@@ -36,6 +42,8 @@ class StepStats:
     recall: float | None = None
     request_ids: list[int] = dataclasses.field(default_factory=list)
     expert_bitmap: torch.Tensor | None = None
+    paired_bitmaps: torch.Tensor | None = None
+    paired_scores: list[float] | None = None
 
     def busiest_rank_experts(self, expert_rank: torch.Tensor, num_ranks: int) -> list[int]:
         """Per MoE layer, the most experts of the step's union that one EP rank holds.
