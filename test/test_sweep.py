@@ -610,6 +610,8 @@ def test_paired_sweep_on_the_engine(tiny_models, tmp_path):
         assert paired["busiest_rank_experts_ep4"]["run"] == pytest.approx(
             run["busiest_rank_experts"]["4"]
         )
+        line = sweep._run_line(run, rep["config"])
+        assert f"paired vs {paired['against']}: experts " in line and "busiest EP4 " in line
         for value in paired.values():
             if isinstance(value, dict):
                 assert value["difference"] == pytest.approx(value["run"] - value["against"])

@@ -741,9 +741,24 @@ def _run_line(entry: dict, cfg: dict) -> str:
         f"{entry['accept_length']:.3f}, verified/request {entry['verified_per_request']:.2f}, "
         f"experts {entry['experts_per_layer_step']:.2f}"
         + (f", busiest {busiest}" if busiest else "")
+        + _paired_cells(entry)
         + f", {_LINE_STATUS[metrics.lossless_status(entry)]}"
         f", {entry['wall_seconds']:.0f} s"
     )
+
+
+def _paired_cells(entry: dict) -> str:
+    """``, paired vs <policy>: experts d +- se, busiest EP<R> d +- se`` (empty unpaired)."""
+    paired = entry.get("paired")
+    if paired is None:
+        return ""
+    labels = {"experts_per_layer_step": "experts"}
+    labels |= {n: f"busiest EP{n.rsplit('ep', 1)[1]}" for n in paired if n.startswith("busiest")}
+    cells = [
+        f"{label} {paired[n]['difference']:+.3f} +- {paired[n]['stderr']:.3f}"
+        for n, label in labels.items()
+    ]
+    return f", paired vs {paired['against']}: " + ", ".join(cells)
 
 
 def format_tables(rep: dict) -> str:
