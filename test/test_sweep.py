@@ -283,6 +283,8 @@ def test_defaults_validate():
         (["--num-prompts", "0"], "--num-prompts must be >= 1"),
         (["--target", "t"], "give both --target and --draft"),
         (["--small", "--target", "t", "--draft", "d"], "conflicts with --target"),
+        (["--predictor", "head"], "--predictor head needs --predictor-file"),
+        (["--predictor", "oracle", "--predictor-file", "t.pt"], "drop --predictor-file"),
     ],
 )
 def test_invalid_arguments(argv, message):
@@ -475,6 +477,43 @@ def test_oracle_predictor_sweep(tiny_models, tmp_path):
     )
     assert rep["config"]["predictor"] == "oracle"
     assert [r["predictor_recall"] for r in rep["runs"]] == [1.0] * 2 * len(BATCHES)
+
+
+def test_warm_started_predictor_sweep(tiny_models, tmp_path):
+    from sgl_ecospec.engine import OfflineEngine
+    from sgl_ecospec.predictor import OnlineExpertPredictor
+
+    missing = str(tmp_path / "missing.pt")
+    with pytest.raises(FileNotFoundError, match="missing.pt' does not exist"):
+        sweep.validate(_parse(["--predictor-file", missing]))
+    # A table that has seen the greedy routing of every prompt predicts far better than an
+    # empty one from the first step on.
+    engine = OfflineEngine(str(tiny_models / "target"), str(tiny_models / "draft"))
+    rep, _ = _sweep(tiny_models, "draft", tmp_path, "--policies", "ecospec")
+    cold = {r["batch_size"]: r["predictor_recall"] for r in rep["runs"]}
+    table = OnlineExpertPredictor(engine.num_layers, engine.num_experts, engine.top_k)
+    prompts = [json.loads(line)["prompt"] for line in open(tiny_models / "prompts.jsonl")]
+    prompts = [sweep.render_chat(engine.tokenizer, p) for p in prompts]
+    outputs = engine.generate_greedy(prompts, 10).outputs
+    for prompt, output in zip(prompts, outputs, strict=True):
+        ids = torch.tensor([prompt + output])
+        with torch.no_grad():
+            out = engine.target.model(ids, output_router_logits=True)
+        routing = torch.stack([g.topk(engine.top_k, -1).indices for g in out.router_logits], 1)
+        table.observe(ids[0], routing)
+    table.save(tmp_path / "table.pt")
+    rep, _ = _sweep(
+        tiny_models,
+        "draft",
+        tmp_path,
+        "--policies",
+        "ecospec",
+        "--predictor-file",
+        str(tmp_path / "table.pt"),
+    )
+    assert rep["config"]["predictor_file"] == str(tmp_path / "table.pt")
+    warm = {r["batch_size"]: r["predictor_recall"] for r in rep["runs"]}
+    assert all(warm[b] > cold[b] for b in BATCHES), (warm, cold)
 
 
 def test_checks_report_failures():

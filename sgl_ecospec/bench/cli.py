@@ -66,18 +66,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     gen.add_argument(
         "--policy", default="confidence,ecospec", help=f"comma-separated: {', '.join(POLICIES)}"
     )
-    gen.add_argument(
-        "--predictor",
-        choices=PREDICTORS,
-        default="online",
-        help="online: routing counts learnt while decoding; oracle: the true routing; head: "
-        "a trained LowRankExpertHead (--predictor-file, from `sgl-ecospec train-head`)",
-    )
-    gen.add_argument(
-        "--predictor-file",
-        metavar="FILE",
-        help="the head for --predictor head, or a saved online predictor to start from",
-    )
+    add_predictor_arguments(gen)
     gen.add_argument("--eps", type=float, default=DEFAULT_EPS, help="EcoSpec's P / (cost + eps)")
     gen.add_argument(
         "--share-buffer",
@@ -111,6 +100,33 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     parser.set_defaults(run=run)
     return parser
+
+
+def add_predictor_arguments(group) -> None:
+    """``--predictor`` and ``--predictor-file`` (shared by ``bench`` and ``sweep``)."""
+    group.add_argument(
+        "--predictor",
+        choices=PREDICTORS,
+        default="online",
+        help="online: routing counts learnt while decoding; oracle: the true routing; head: "
+        "a trained LowRankExpertHead (--predictor-file, from `sgl-ecospec train-head`)",
+    )
+    group.add_argument(
+        "--predictor-file",
+        metavar="FILE",
+        help="the head for --predictor head, or a saved online predictor to start from "
+        "(every run starts from the file)",
+    )
+
+
+def check_predictor_arguments(args: argparse.Namespace) -> None:
+    """Errors for ``--predictor`` / ``--predictor-file`` combinations that cannot work."""
+    if args.predictor == "head" and not args.predictor_file:
+        raise ValueError("--predictor head needs --predictor-file (write one with train-head)")
+    if args.predictor == "oracle" and args.predictor_file:
+        raise ValueError("--predictor oracle reads the true routing; drop --predictor-file")
+    if args.predictor_file and not os.path.isfile(args.predictor_file):
+        raise FileNotFoundError(f"--predictor-file {args.predictor_file!r} does not exist")
 
 
 def add_tree_arguments(group) -> None:
@@ -183,12 +199,7 @@ def validate(args: argparse.Namespace) -> dict:
         raise ValueError(f"--eps must be > 0, got {args.eps}")
     if args.save_predictor and args.predictor != "online":
         raise ValueError("--save-predictor writes the online predictor; use --predictor online")
-    if args.predictor == "head" and not args.predictor_file:
-        raise ValueError("--predictor head needs --predictor-file (write one with train-head)")
-    if args.predictor == "oracle" and args.predictor_file:
-        raise ValueError("--predictor oracle reads the true routing; drop --predictor-file")
-    if args.predictor_file and not os.path.isfile(args.predictor_file):
-        raise FileNotFoundError(f"--predictor-file {args.predictor_file!r} does not exist")
+    check_predictor_arguments(args)
     check_model_arguments(args)
     datasets = [d.strip() for d in (args.dataset or "").split(",") if d.strip()]
     datasets += args.prompts or []
@@ -354,7 +365,6 @@ def _speculative(cfg, engine, budget, policy, batches, prompts, greedy, progress
     import torch
 
     from sgl_ecospec.engine import SpecConfig
-    from sgl_ecospec.predictor import OnlineExpertPredictor
 
     torch.manual_seed(cfg["seed"])
     spec = SpecConfig(
@@ -365,15 +375,7 @@ def _speculative(cfg, engine, budget, policy, batches, prompts, greedy, progress
         eps=cfg["eps"],
         share_buffer=cfg["share_buffer"],
     )
-    # A fresh predictor per run, learning over all of its batches: every policy starts
-    # from the same state and sees the same prompts.
-    predictor = cfg["predictor"]
-    if cfg.get("predictor_file"):
-        predictor = load_run_predictor(cfg, engine)
-    elif predictor == "online":
-        predictor = OnlineExpertPredictor(
-            engine.num_layers, engine.num_experts, engine.top_k, device=cfg["device"]
-        )
+    predictor = run_predictor(cfg, engine)
     limit, started = cfg["max_new_tokens"], time.perf_counter()
     steps, per_dataset, engine_recalls = [], {}, []
     check = OutputCheck(engine, cfg["check_lossless"], f"policy {policy}, budget {budget}")
@@ -415,6 +417,21 @@ def _speculative(cfg, engine, budget, policy, batches, prompts, greedy, progress
         "steps": steps,  # popped by run_bench after pricing
         "predictor": predictor,  # popped by run_bench
     }
+
+
+def run_predictor(cfg: dict, engine):
+    """The predictor a run starts with: a fresh one per run, learning over all of its
+    batches, so every policy starts from the same state and sees the same prompts
+    (``--predictor-file`` loaded anew, an empty online table, or "oracle")."""
+    from sgl_ecospec.predictor import OnlineExpertPredictor
+
+    if cfg.get("predictor_file"):
+        return load_run_predictor(cfg, engine)
+    if cfg["predictor"] == "online":
+        return OnlineExpertPredictor(
+            engine.num_layers, engine.num_experts, engine.top_k, device=cfg["device"]
+        )
+    return cfg["predictor"]
 
 
 def load_run_predictor(cfg: dict, engine):

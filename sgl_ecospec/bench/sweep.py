@@ -47,12 +47,15 @@ from sgl_ecospec.bench.cli import (
     _greedy,
     _Progress,
     add_model_arguments,
+    add_predictor_arguments,
     add_tree_arguments,
     check_budget,
     check_model_arguments,
+    check_predictor_arguments,
     num_candidates,
     open_engine,
     performance_model,
+    run_predictor,
 )
 from sgl_ecospec.costmodel import formulas
 from sgl_ecospec.costmodel.profiles import HARDWARE, MODELS
@@ -147,13 +150,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     gen = parser.add_argument_group("decoding")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     add_tree_arguments(gen)
-    gen.add_argument(
-        "--predictor",
-        choices=("online", "oracle"),
-        default="online",
-        help="online: routing counts learnt while decoding; oracle: the true routing (what "
-        "the policies would do with a perfect predictor)",
-    )
+    add_predictor_arguments(gen)
     gen.add_argument(
         "--paired",
         action="store_true",
@@ -244,6 +241,7 @@ def validate(args: argparse.Namespace) -> dict:
             f"--hardware is one device, got {args.hardware!r}: EP R is priced on R of them"
         )
     check_budget(args.budget, args.topk, args.steps)
+    check_predictor_arguments(args)
     check_model_arguments(args)
     candidates = num_candidates(args.topk, args.steps)
     return {
@@ -262,6 +260,7 @@ def validate(args: argparse.Namespace) -> dict:
         "budget": args.budget,
         "share_buffer": args.share_buffer,
         "predictor": args.predictor,
+        "predictor_file": args.predictor_file,
         "paired": args.paired,
         "target": args.target,
         "draft": args.draft,
@@ -418,14 +417,8 @@ def _speculative(
     ``compare`` (a ``SpecConfig``) the steps also score its selection."""
     import torch
 
-    from sgl_ecospec.predictor import OnlineExpertPredictor
-
     torch.manual_seed(cfg["seed"])
-    predictor = cfg["predictor"]
-    if predictor == "online":  # a fresh one per run, learning over all of its batches
-        predictor = OnlineExpertPredictor(
-            engine.num_layers, engine.num_experts, engine.top_k, device=cfg["device"]
-        )
+    predictor = run_predictor(cfg, engine)
     limit, started = cfg["max_new_tokens"], time.perf_counter()
     steps, index = [], 0
     check = OutputCheck(engine, cfg["check_lossless"], label)
