@@ -268,6 +268,14 @@ def test_paired_selection_scores_both_sets_on_the_same_trees(setup, greedy):
     assert differ > 0, "ecospec and confidence should pick different sets on some step"
     assert all(s.paired_bitmaps is None for s in alone["ecospec"].steps)
 
+    # A compared set of roots only (adaptive that cannot pay: all -1 padding) reads a
+    # subset of the run's union, and its draft score is 0.
+    nothing = SpecConfig(policy="adaptive", eps=10.0, step_cost=0.01)
+    for step in engine.generate_speculative(PROMPTS, 4, eco, compare=nothing).steps:
+        own, roots = step.paired_bitmaps
+        assert step.paired_scores[1] == 0.0 and not bool((roots & ~own).any())
+        assert bitmap_popcount(roots).sum() >= TOP_K * LAYERS
+
     same = engine.generate_speculative(PROMPTS[:1], 4, eco, compare=eco).steps
     assert all(torch.equal(s.paired_bitmaps[0], s.paired_bitmaps[1]) for s in same)
     with pytest.raises(ValueError, match="compare must grow the same tree.*topk 2 vs 4"):

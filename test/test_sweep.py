@@ -609,7 +609,7 @@ def test_paired_summary_by_hand():
         step([0, 4, 5], [0, 1, 4], [1.0, 1.0]),  # union 3 vs 3; busiest 2 vs 2
     ]
     summary = sweep.paired_summary(steps, {"num_experts": 8}, [1, 2])
-    assert summary["steps"] == 2
+    assert summary["steps"] == 2 and summary["steps_differ"] == 1.0
     assert summary["experts_per_layer_step"] == {
         "run": 3.0,
         "against": 3.5,
@@ -621,6 +621,8 @@ def test_paired_summary_by_hand():
     assert busiest["stderr"] == pytest.approx(1.0)
     assert summary["draft_score"]["difference"] == pytest.approx(-0.125)
     assert "busiest_rank_experts_ep1" not in summary
+    same = [step([0, 1, 4], [0, 1, 4], [0.5, 0.5]), step([0, 4, 5], [0, 1, 4], [1.0, 1.0])]
+    assert sweep.paired_summary(same, {"num_experts": 8}, [1])["steps_differ"] == 0.5
 
 
 def test_paired_sweep_on_the_engine(tiny_models, tmp_path):
@@ -637,6 +639,7 @@ def test_paired_sweep_on_the_engine(tiny_models, tmp_path):
         assert set(paired) == {
             "against",
             "steps",
+            "steps_differ",
             "experts_per_layer_step",
             "busiest_rank_experts_ep4",
             "draft_score",

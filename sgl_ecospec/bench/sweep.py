@@ -380,7 +380,8 @@ def paired_summary(steps, testbed: dict, ep_sizes) -> dict:
     distinct experts per layer (mean over layers), busiest-rank experts per layer at each
     EP size > 1 (contiguous placement), and summed cumulative draft probability (the
     draft's estimate of accepted tokens). Reported as the means of both, the mean
-    difference and its standard error (steps taken as independent).
+    difference and its standard error (steps taken as independent), and the share of
+    steps whose two unions differ at all (``steps_differ``).
 
     Args:
         steps: ``StepStats`` with ``paired_bitmaps [2, L, W]`` and ``paired_scores``.
@@ -397,7 +398,8 @@ def paired_summary(steps, testbed: dict, ep_sizes) -> dict:
             busiest = ep_cost.busiest_rank_loads(bitmaps, experts, r)  # [S, 2, L]
             values[f"busiest_rank_experts_ep{r}"] = busiest.mean(-1)
     values["draft_score"] = np.asarray([s.paired_scores for s in steps], dtype=np.float64)
-    summary = {"steps": len(steps)}
+    differ = (bitmaps[:, 0] != bitmaps[:, 1]).flatten(1).any(1)
+    summary = {"steps": len(steps), "steps_differ": float(differ.double().mean())}
     for name, pair in values.items():  # pair: [S, 2]
         diff = pair[:, 0] - pair[:, 1]
         stderr = diff.std(ddof=1) / math.sqrt(len(diff)) if len(diff) > 1 else 0.0
@@ -794,14 +796,14 @@ def format_tables(rep: dict) -> str:
             "# paired on the same trees: run minus the compared policy's set, mean +- stderr",
             "batch policy     against    experts diff      +-  "
             + " ".join(f"busy@EP{r} diff     +-" for r in ranks)
-            + "  draft score diff",
+            + "  draft score diff  differ",
         ]
         for e in paired:
             p = e["paired"]
             cells = [f"{e['batch_size']:5d} {e['policy']:<10} {p['against']:<10}"]
             for name in ["experts_per_layer_step"] + [f"busiest_rank_experts_ep{r}" for r in ranks]:
                 cells.append(f"{p[name]['difference']:+12.3f} {p[name]['stderr']:6.3f}")
-            cells.append(f"{p['draft_score']['difference']:+17.3f}")
+            cells.append(f"{p['draft_score']['difference']:+17.3f} {p['steps_differ']:8.2f}")
             lines.append(" ".join(cells))
     for profile in cfg["profiles"]:
         for r in cfg["ep_sizes"]:

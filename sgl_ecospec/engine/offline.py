@@ -419,9 +419,9 @@ def _step_stats(routing: torch.Tensor, num_experts: int, **fields) -> StepStats:
 def _selection_union(truth: torch.Tensor, selected: torch.Tensor, num_experts: int) -> torch.Tensor:
     """int64 ``[L, W]``: the union over the batch of the true routing ``truth [B, 1 + N, L, K]``
     of every root and every candidate in ``selected [B, S]`` (-1 padding skipped)."""
+    # Padding (-1) lands on row 0, the root, which is in the union anyway.
     rows = torch.cat([torch.zeros_like(selected[:, :1]), 1 + selected], 1)  # [B, 1 + S]
-    chosen = truth[_batch_index(rows).expand_as(rows)[rows >= 0], rows[rows >= 0]]
-    return union_bitmap(chosen, num_experts)
+    return union_bitmap(truth[_batch_index(rows), rows].flatten(0, 1), num_experts)
 
 
 def _selected_score(scores: torch.Tensor, selected: torch.Tensor) -> float:
