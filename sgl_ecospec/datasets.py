@@ -308,3 +308,32 @@ def render_chat(tokenizer, text: str) -> list[int]:
     if not isinstance(ids, list):
         ids = ids["input_ids"]
     return [int(i) for i in ids]
+
+
+def render_chat_text(tokenizer, text: str) -> str:
+    """``text`` as one chat-rendered user message, as a string that a server tokenizing it
+    with ``tokenizer.encode`` turns into exactly :func:`render_chat`'s ids.
+
+    For clients that send text (``sglang.bench_serving``): the template's own text, minus a
+    leading BOS string when ``encode`` adds that token itself. (``sglang.bench_serving
+    --apply-chat-template`` instead deletes every occurrence of the BOS string, which for
+    tokenizers whose BOS is a role marker, as SmolLM2's ``<|im_start|>``, strips the roles.)
+
+    Raises:
+        ValueError: when no such string exists for this tokenizer.
+    """
+    ids = render_chat(tokenizer, text)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
+    candidates = [rendered]
+    bos = getattr(tokenizer, "bos_token", None)
+    if bos and rendered.startswith(bos):
+        candidates.append(rendered[len(bos) :])
+    for candidate in candidates:
+        if tokenizer.encode(candidate) == ids:
+            return candidate
+    raise ValueError(
+        f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r}: no text of the chat-rendered "
+        "prompt encodes to the chat template's token ids; send token ids instead"
+    )

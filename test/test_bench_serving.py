@@ -88,14 +88,22 @@ def test_sharegpt_file_is_what_sglang_reads(tmp_path):
     from sglang.benchmark.datasets.sharegpt import sample_sharegpt_requests
     from sglang_ecospec.cpu_dev.tiny import load_smollm2_tokenizer
 
+    from sgl_ecospec.datasets import load_prompts, render_chat
+
     path = tmp_path / "mt.json"
-    bench_serving.write_sharegpt_file("mt-bench", 3, 0, path)
+    tokenizer = load_smollm2_tokenizer()
+    bench_serving.write_sharegpt_file("mt-bench", 3, 0, path, tokenizer)
     records = json.loads(path.read_text())
     assert len(records) == 3 and all(r["id"].startswith("mt-bench:") for r in records)
-    tokenizer = load_smollm2_tokenizer()
     rows = sample_sharegpt_requests(str(path), 3, tokenizer, fixed_output_len=16)
     assert sorted(r.prompt for r in rows) == sorted(r["conversations"][0]["value"] for r in records)
     assert all(r.output_len == 16 for r in rows)
+    # The server tokenizes each prompt into the ids the offline engine decodes.
+    expected = sorted(
+        render_chat(tokenizer, p.text) for p in load_prompts("mt-bench", num_prompts=3, seed=0)
+    )
+    assert sorted(tokenizer.encode(r.prompt) for r in rows) == expected
+    assert all(r.prompt.startswith("<|im_start|>system") for r in rows)
 
 
 def test_table_marks_missing_values():

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from sgl_ecospec import datasets
-from sgl_ecospec.datasets import Prompt, load_prompts, render_chat
+from sgl_ecospec.datasets import Prompt, load_prompts, render_chat, render_chat_text
 
 
 @pytest.mark.parametrize(
@@ -162,15 +162,27 @@ def test_missing_file_in_package(monkeypatch):
         load_prompts("gsm8k")
 
 
-def _tiny_tokenizer(chat_template):
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def _tiny_tokenizer(chat_template, adds=None):
+    """A word-level tokenizer; ``adds``: "bos" or "eos" when ``encode`` adds that token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    words = ["<unk>", "<|user|>", "<|assistant|>", "<|end|>", "hello", "there"]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    words = ["<unk>", "<|user|>", "<|assistant|>", "<|end|>", "hello", "there", "<s>", "</s>"]
+    vocab = {w: i for i, w in enumerate(words)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if adds is not None:
+        token = {"bos": "<s>", "eos": "</s>"}[adds]
+        single = f"{token} $A" if adds == "bos" else f"$A {token}"
+        tok.post_processor = processors.TemplateProcessing(
+            single=single, special_tokens=[(token, vocab[token])]
+        )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", chat_template=chat_template
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        chat_template=chat_template,
     )
 
 
@@ -180,6 +192,22 @@ def test_render_chat_applies_the_template_with_a_generation_prompt():
         "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
     assert render_chat(_tiny_tokenizer(template), "hello there") == [1, 4, 5, 3, 2]
+
+
+def test_render_chat_text_encodes_to_the_rendered_ids():
+    template = (
+        "{{ bos_token }} {% for m in messages %}<|user|> {{ m['content'] }} <|end|> {% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    plain = _tiny_tokenizer(template)
+    assert render_chat_text(plain, "hello") == "<s> <|user|> hello <|end|> <|assistant|>"
+    # encode() adds the BOS itself: the template's own BOS string must go, or it doubles.
+    adds_bos = _tiny_tokenizer(template, adds="bos")
+    text = render_chat_text(adds_bos, "hello")
+    assert text == " <|user|> hello <|end|> <|assistant|>"
+    assert adds_bos.encode(text) == render_chat(adds_bos, "hello") == [6, 1, 4, 3, 2]
+    with pytest.raises(ValueError, match="send token ids instead"):
+        render_chat_text(_tiny_tokenizer(template, adds="eos"), "hello")
 
 
 def test_render_chat_needs_a_chat_template():

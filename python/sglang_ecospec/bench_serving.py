@@ -178,16 +178,21 @@ def server_launch(cfg: dict, algorithm: str) -> tuple[list[str], dict]:
     return args, env
 
 
-def write_sharegpt_file(dataset: str, num_prompts: int, seed: int, path: Path) -> None:
+def write_sharegpt_file(dataset: str, num_prompts: int, seed: int, path: Path, tokenizer) -> None:
     """``num_prompts`` prompts of a packaged dataset as a ShareGPT-format JSON file (what
-    ``sglang.bench_serving --dataset-name sharegpt --dataset-path`` reads)."""
-    from sgl_ecospec.datasets import load_prompts
+    ``sglang.bench_serving --dataset-name sharegpt --dataset-path`` reads), each already
+    rendered with ``tokenizer``'s chat template (``render_chat_text``), so the server
+    tokenizes it into the very ids the offline engine decodes (``render_chat``)."""
+    from sgl_ecospec.datasets import load_prompts, render_chat_text
 
     prompts = load_prompts(dataset, num_prompts=num_prompts, seed=seed)
     records = [
         {
             "id": p.source,
-            "conversations": [{"from": "human", "value": p.text}, {"from": "gpt", "value": ""}],
+            "conversations": [
+                {"from": "human", "value": render_chat_text(tokenizer, p.text)},
+                {"from": "gpt", "value": ""},
+            ],
         }
         for p in prompts
     ]
@@ -214,7 +219,6 @@ def run_client(cfg: dict, server: LocalServer, dataset_file: Path, concurrency: 
         str(cfg["num_prompts"]),
         "--sharegpt-output-len",
         str(cfg["output_len"]),
-        "--apply-chat-template",
         "--tokenizer",
         cfg["model_path"],
         "--max-concurrency",
@@ -260,7 +264,10 @@ def format_table(runs: list[dict]) -> str:
 def run(cfg: dict, work: Path, log=print) -> list[dict]:
     """Runs every algorithm at every concurrency; returns one record per (algorithm, conc)."""
     dataset_file = work / f"{cfg['dataset']}.json"
-    write_sharegpt_file(cfg["dataset"], cfg["num_prompts"], cfg["seed"], dataset_file)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
+    write_sharegpt_file(cfg["dataset"], cfg["num_prompts"], cfg["seed"], dataset_file, tokenizer)
     runs = []
     for algorithm in cfg["algorithms"]:
         args, env = server_launch(cfg, algorithm)
