@@ -557,7 +557,7 @@ def run_sweep(cfg: dict, engine, prompts: list, *, out=None) -> dict:
                         **measured,
                         busiest_rank_experts=_busiest(spec_steps, testbed, cfg["ep_sizes"]),
                     )
-                    if against is not None:
+                    if against is not None and spec_steps:  # no steps: nothing to pair
                         summary = paired_summary(spec_steps, testbed, cfg["ep_sizes"])
                         entry["paired"] = {"against": against, **summary}
                     progress.write(_run_line(entry, cfg), out)
