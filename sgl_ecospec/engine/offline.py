@@ -263,7 +263,7 @@ class OfflineEngine:
         # for the experts loaded and feeds the predictor.
         routing = out.routing[verify.valid]  # [verified, L, K]
         batch = _batch_index(selected)
-        rows = torch.cat([torch.zeros_like(selected[:, :1]), 1 + selected.clamp_min(0)], 1)
+        rows = _tree_rows(selected)
         row_guess = predicted[batch, rows]  # [B, T, L, K]
         recall = topk_recall(row_guess[verify.valid], routing, self.num_experts)
         row_hidden = None if hidden is None else hidden[batch, rows][verify.valid]  # [verified, H]
@@ -419,9 +419,15 @@ def _step_stats(routing: torch.Tensor, num_experts: int, **fields) -> StepStats:
 def _selection_union(truth: torch.Tensor, selected: torch.Tensor, num_experts: int) -> torch.Tensor:
     """int64 ``[L, W]``: the union over the batch of the true routing ``truth [B, 1 + N, L, K]``
     of every root and every candidate in ``selected [B, S]`` (-1 padding skipped)."""
-    # Padding (-1) lands on row 0, the root, which is in the union anyway.
-    rows = torch.cat([torch.zeros_like(selected[:, :1]), 1 + selected], 1)  # [B, 1 + S]
+    rows = _tree_rows(selected)  # padding lands on the root, in the union anyway
     return union_bitmap(truth[_batch_index(rows), rows].flatten(0, 1), num_experts)
+
+
+def _tree_rows(selected: torch.Tensor) -> torch.Tensor:
+    """int64 ``[B, 1 + S]``: the rows of each request's root and selected candidates
+    (``selected [B, S]``, -1 padding) in a root-first ``[B, 1 + N]`` layout; padding maps
+    to row 0, the root."""
+    return torch.cat([torch.zeros_like(selected[:, :1]), 1 + selected], 1)
 
 
 def _selected_score(scores: torch.Tensor, selected: torch.Tensor) -> float:
