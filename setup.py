@@ -63,16 +63,20 @@ setup(
     version="0.1.0",
     description="Cost-aware speculative decoding (EcoSpec) for MoE models in SGLang",
     packages=find_packages(include=["sgl_ecospec", "sgl_ecospec.*"])
-    + find_packages("python", include=["sglang_ecospec", "sglang_ecospec.*"]),
-    # The SGLang plugin (ECOSPEC, CPU development mode) lives in python/; see docs/sglang.md.
-    package_dir={"sglang_ecospec": "python/sglang_ecospec"},
+    + find_packages("python", include=["sglang_ecospec*"]),
+    # The SGLang plugin (ECOSPEC) and its CPU development mode live in python/; see
+    # docs/sglang.md and docs/structures.md.
+    package_dir={
+        "sglang_ecospec": "python/sglang_ecospec",
+        "sglang_ecospec_cpu": "python/sglang_ecospec_cpu",
+    },
     python_requires=">=3.10",
     install_requires=["torch", "numpy", "scipy"],
     extras_require={"plot": ["matplotlib"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
     entry_points={
-        "console_scripts": ["sgl-ecospec=sgl_ecospec.cli:main"],
+        "console_scripts": ["sgl-ecospec=sgl_ecospec.lab.cli:main"],
         # Run by sglang.srt.plugins.load_plugins() in every SGLang server process.
         "sglang.srt.plugins": ["ecospec=sglang_ecospec:register"],
     },

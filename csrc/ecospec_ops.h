@@ -17,7 +17,7 @@ at::Tensor bitmap_popcount_cpu(const at::Tensor& bitmaps);
 // scores float [B, N], parents int [B, N], node_experts int64 [B, N, L, W],
 // root_experts int64 [B, L, W] or none, layer_weights float [L] or none,
 // expert_rank int32/int64 [E] or [L, E] or none -> int64 [B, budget];
-// semantics in sgl_ecospec/selection.py.
+// semantics in sgl_ecospec/ops/selection.py.
 at::Tensor select_verify_set_cpu(const at::Tensor& scores, const at::Tensor& parents,
                                  const at::Tensor& node_experts, int64_t budget,
                                  const std::optional<at::Tensor>& root_experts,

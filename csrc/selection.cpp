@@ -1,5 +1,5 @@
 // Greedy verify-set selection on the CPU; the PyTorch reference is
-// sgl_ecospec.selection.select_verify_set_reference, and the two must agree exactly.
+// sgl_ecospec.ops.selection.select_verify_set_reference, and the two must agree exactly.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

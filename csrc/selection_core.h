@@ -1,7 +1,7 @@
 // Selection rules shared by the CPU op (selection.cpp) and the CUDA kernels
 // (ops_cuda.cu): one definition of a node's cost and priority, of the tie rule and of the
 // adaptive stop test, so that both choose exactly the same nodes as the PyTorch reference
-// (sgl_ecospec.selection.select_verify_set_reference).
+// (sgl_ecospec.ops.selection.select_verify_set_reference).
 #pragma once
 
 #include <cstdint>

@@ -12,4 +12,4 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 python=python
 [ -x "$root/.venv/bin/python" ] && python=$root/.venv/bin/python
-exec "$python" -m sglang_ecospec.bench_serving "$@"
+exec "$python" -m sgl_ecospec.lab.serving.bench_serving "$@"

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Builds the CPU development mode's stub libcuda.so.1 into .venv/lib/sgl_ecospec_stub/ from
-# python/sglang_ecospec/cpu_dev/stub_libcuda.c (see docs/sglang.md, "CPU development mode").
+# python/sglang_ecospec_cpu/stub_libcuda.c (see docs/sglang.md, "CPU development mode").
 # Idempotent: rebuilds only when the source changed. Skipped on a machine with an NVIDIA GPU,
 # where the real driver must be used. Usage: bash scripts/build_cpu_dev.sh [VENV_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 venv=${1:-.venv}
-src=python/sglang_ecospec/cpu_dev/stub_libcuda.c
+src=python/sglang_ecospec_cpu/stub_libcuda.c
 out_dir=$venv/lib/sgl_ecospec_stub
 out=$out_dir/libcuda.so.1
 

@@ -95,7 +95,7 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 import sgl_ecospec
 import sglang_ecospec
-from sgl_ecospec._native import NATIVE_ERROR, has_native_kernel
+from sgl_ecospec.ops.native import NATIVE_ERROR, has_native_kernel
 
 algorithm = SpeculativeAlgorithm.from_string("ECOSPEC")
 if not algorithm.is_eagle3():

@@ -20,7 +20,7 @@ import torch
 
 from sgl_ecospec import select_verify_set
 from sgl_ecospec.costmodel.formulas import roofline_transition
-from sgl_ecospec.kernels.verify_moe import verify_moe, verify_moe_reference
+from sgl_ecospec.ops.verify_moe import verify_moe, verify_moe_reference
 from sgl_ecospec.synthetic import random_draft_tree
 
 SELECTION_SHAPES = {"qwen3-235b-a22b": (94, 128), "deepseek-v3": (58, 256)}

@@ -1,12 +1,20 @@
 """sgl_ecospec: cost-aware speculative decoding (EcoSpec) for Mixture-of-Experts models.
 
-The engine-independent core: expert bitmaps, verify-set selection, expert predictors and
-the MoESD cost model. ``docs/`` explains each part.
+The library (torch, numpy and scipy only; it never imports transformers, SGLang, the plugin
+or the lab): ``ops`` (expert bitmaps, verify-set selection), ``predictors`` (expert
+predictors), ``costmodel`` (MoESD), ``placement`` (EP ranks) and ``step`` (the one
+selection step the offline engine and the SGLang plugin share). ``sgl_ecospec.lab`` holds
+the offline tools built on it. docs/structures.md maps every module.
 """
 
-from sgl_ecospec._native import has_native
-from sgl_ecospec.bitmaps import bitmap_popcount, num_words, topk_to_bitmap
-from sgl_ecospec.selection import POLICIES, select_verify_set
+from sgl_ecospec.ops import (
+    POLICIES,
+    bitmap_popcount,
+    has_native,
+    num_words,
+    select_verify_set,
+    topk_to_bitmap,
+)
 
 __all__ = [
     "POLICIES",

@@ -17,7 +17,7 @@ Shape legend: L = MoE layers, E = logical experts per layer, P = physical expert
 
 import torch
 
-from sgl_ecospec._checks import INDEX_DTYPES, check_int, check_tensor
+from sgl_ecospec.ops.checks import INDEX_DTYPES, check_int, check_tensor
 
 
 def expert_rank_map(

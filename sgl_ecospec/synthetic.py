@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_ecospec.bitmaps import topk_to_bitmap
+from sgl_ecospec.ops.bitmaps import topk_to_bitmap
 
 
 @dataclass

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-from sgl_ecospec.eagle3 import (
+from sgl_ecospec.lab.eagle3 import (
     Eagle3Config,
     Eagle3Draft,
     build_vocab_maps,

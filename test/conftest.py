@@ -3,7 +3,7 @@ import os
 import pytest
 
 from sgl_ecospec import has_native
-from sgl_ecospec._native import NATIVE_ERROR
+from sgl_ecospec.ops.native import NATIVE_ERROR
 
 
 def pytest_report_header(config):

@@ -12,8 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from sgl_ecospec.bench import cli as bench_cli
-from sgl_ecospec.bench import metrics
 from sgl_ecospec.costmodel import (
     PerformanceModel,
     acceptance_factor,
@@ -23,6 +21,8 @@ from sgl_ecospec.costmodel import (
     get_model,
     sd_speedup,
 )
+from sgl_ecospec.lab.bench import cli as bench_cli
+from sgl_ecospec.lab.bench import metrics
 
 QWEN3 = get_model("qwen3-235b-a22b")
 
@@ -202,7 +202,7 @@ E, K, L = 16, 2, 3
 class FakeSpecConfig:
     topk: int = 4
     num_steps: int = 3
-    num_draft_tokens: int = 5
+    budget: int = 4
     policy: str = "confidence"
     eps: float = 0.1
     share_buffer: bool = True
@@ -256,7 +256,7 @@ class FakeEngine:
 
     def generate_speculative(self, prompts, max_new_tokens, spec, predictor=None, progress=None):
         FakeEngine.calls.append((spec, predictor))
-        budget = spec.num_draft_tokens - 1
+        budget = spec.budget
         experts = min(E, K + budget + (2 if spec.policy == "confidence" else 0))
         steps = [
             Step(len(prompts), len(prompts) * (budget + 1), [1] * len(prompts), [experts] * L, 0.75)
@@ -270,9 +270,9 @@ class FakeEngine:
 
 @pytest.fixture
 def fake_engine(monkeypatch):
-    module = types.ModuleType("sgl_ecospec.engine")
+    module = types.ModuleType("sgl_ecospec.lab.engine")
     module.SpecConfig, module.OfflineEngine = FakeSpecConfig, FakeEngine
-    monkeypatch.setitem(sys.modules, "sgl_ecospec.engine", module)
+    monkeypatch.setitem(sys.modules, "sgl_ecospec.lab.engine", module)
     monkeypatch.setattr(FakeEngine, "corrupt", False)
     monkeypatch.setattr(FakeEngine, "logit_step", 1.0)
     monkeypatch.setattr(FakeEngine, "calls", [])
@@ -322,7 +322,7 @@ def test_bench_on_fake_engine_writes_table_json_and_plot(fake_engine, tmp_path, 
     # One fresh online predictor per run, shared by that run's batches.
     calls = fake_engine.calls
     assert len(calls) == 8 * 4
-    assert {c[0].num_draft_tokens for c in calls} == {2, 3, 5, 9}
+    assert {c[0].budget for c in calls} == {1, 2, 4, 8}
     assert len({id(c[1]) for c in calls}) == 8
     assert type(calls[0][1]).__name__ == "OnlineExpertPredictor"
 
@@ -426,8 +426,8 @@ def tiny_models(tmp_path_factory):
     its greedy continuations of the prompts, as test_engine.py builds them."""
     from _models import byte_tokenizer, tiny_target, train_draft
 
-    from sgl_ecospec.datasets import load_prompts, render_chat
-    from sgl_ecospec.engine import OfflineEngine
+    from sgl_ecospec.lab.datasets import load_prompts, render_chat
+    from sgl_ecospec.lab.engine import OfflineEngine
 
     root = tmp_path_factory.mktemp("bench_e2e")
     target = tiny_target()
@@ -471,7 +471,7 @@ def test_bench_end_to_end_on_tiny_models(tiny_models, tmp_path, capsys):
     # target's shape and has observed the run's verify passes.
     from sglang_ecospec.settings import EcoSpecSettings
 
-    from sgl_ecospec.predictor import OnlineExpertPredictor
+    from sgl_ecospec.predictors import OnlineExpertPredictor
 
     saved = OnlineExpertPredictor.load(
         tmp_path / "predictor.pt", num_layers=4, num_experts=16, top_k=4
@@ -481,8 +481,8 @@ def test_bench_end_to_end_on_tiny_models(tiny_models, tmp_path, capsys):
 
 
 def test_train_head_then_bench_with_it(tiny_models, tmp_path, capsys):
-    from sgl_ecospec.cli import main
-    from sgl_ecospec.predictor import LowRankExpertHead, OnlineExpertPredictor
+    from sgl_ecospec.lab.cli import main
+    from sgl_ecospec.predictors import LowRankExpertHead, OnlineExpertPredictor
 
     root = tiny_models
     models = ["--target", str(root / "target"), "--draft", str(root / "draft")]
@@ -517,9 +517,9 @@ def test_train_head_then_bench_with_it(tiny_models, tmp_path, capsys):
 
 
 def test_default_models_are_the_testbed(monkeypatch, tmp_path):
-    import sgl_ecospec.testbed.build as testbed_build
-    from sgl_ecospec.bench.cli import default_models
-    from sgl_ecospec.testbed.recipe import RECIPES
+    import sgl_ecospec.lab.testbed.build as testbed_build
+    from sgl_ecospec.lab.bench.cli import default_models
+    from sgl_ecospec.lab.testbed.recipe import RECIPES
 
     built = []
     monkeypatch.setattr(testbed_build, "build", lambda recipe: built.append(recipe) or tmp_path)

@@ -6,8 +6,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from sglang_ecospec import bench_serving
-from sglang_ecospec.local_server import accept_length_from_log, ecospec_log_summary, gpu_present
+
+from sgl_ecospec.lab.serving import bench_serving
+from sgl_ecospec.lab.serving.local_server import (
+    accept_length_from_log,
+    ecospec_log_summary,
+    gpu_present,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,9 +91,9 @@ def test_accept_length_is_request_weighted_over_the_window():
 
 def test_sharegpt_file_is_what_sglang_reads(tmp_path):
     from sglang.benchmark.datasets.sharegpt import sample_sharegpt_requests
-    from sglang_ecospec.cpu_dev.tiny import load_smollm2_tokenizer
+    from sglang_ecospec_cpu.tiny import load_smollm2_tokenizer
 
-    from sgl_ecospec.datasets import load_prompts, render_chat
+    from sgl_ecospec.lab.datasets import load_prompts, render_chat
 
     path = tmp_path / "mt.json"
     tokenizer = load_smollm2_tokenizer()
@@ -131,7 +136,7 @@ def test_table_marks_missing_values():
 @pytest.mark.e2e
 @pytest.mark.skipif(gpu_present(), reason="runs the CPU development mode")
 def test_script_runs_servers_and_writes_table(tmp_path):
-    from sglang_ecospec.cpu_dev import tiny
+    from sglang_ecospec_cpu import tiny
 
     target = tiny.make_tiny_target(tmp_path / "target")
     draft = tiny.make_tiny_draft(target, tmp_path / "draft")

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sgl_ecospec import bitmap_popcount, num_words, topk_to_bitmap
-from sgl_ecospec.bitmaps import (
+from sgl_ecospec.ops.bitmaps import (
     bitmap_popcount_reference,
     bitmap_to_ids,
     topk_to_bitmap_reference,

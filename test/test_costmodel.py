@@ -10,7 +10,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sgl_ecospec import cli
 from sgl_ecospec.costmodel import (
     EPS_FLOOR,
     MoESDParams,
@@ -34,6 +33,7 @@ from sgl_ecospec.costmodel import (
     target_efficiency,
     tokens_per_expert,
 )
+from sgl_ecospec.lab import cli
 
 QWEN3 = get_model("qwen3-235b-a22b")
 H200 = get_hardware("h200")

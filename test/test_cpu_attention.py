@@ -1,4 +1,4 @@
-"""The CPU development mode's PyTorch attention (sglang_ecospec.cpu_dev.attention) against
+"""The CPU development mode's PyTorch attention (sglang_ecospec_cpu.attention) against
 SGLang's Triton kernels. Without a GPU the kernels run under Triton's interpreter, which must
 be switched on before triton is imported, so that comparison runs in a fresh interpreter
 (:func:`compare_with_triton`)."""
@@ -6,7 +6,7 @@ be switched on before triton is imported, so that comparison runs in a fresh int
 import pytest
 import torch
 from _util import compared_under_interpreter
-from sglang_ecospec.cpu_dev import attention
+from sglang_ecospec_cpu import attention
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 

@@ -1,12 +1,12 @@
 """The CPU development mode's PyTorch versions of SGLang's shared-expert gate and draft
-KV-list kernels (sglang_ecospec.cpu_dev.kernels) against the Triton kernels. Without a GPU
+KV-list kernels (sglang_ecospec_cpu.kernels) against the Triton kernels. Without a GPU
 the kernels run under Triton's interpreter, which must be switched on before triton is
 imported, so that comparison runs in a fresh interpreter (:func:`compare_with_triton`)."""
 
 import pytest
 import torch
 from _util import compared_under_interpreter
-from sglang_ecospec.cpu_dev import kernels
+from sglang_ecospec_cpu import kernels
 
 # --- shared-expert gate --------------------------------------------------------------------
 

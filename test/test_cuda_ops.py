@@ -9,9 +9,9 @@ import torch
 from _util import requires_native
 
 from sgl_ecospec import bitmap_popcount, select_verify_set, topk_to_bitmap
-from sgl_ecospec._native import has_native_kernel
-from sgl_ecospec.bitmaps import bitmap_popcount_reference, topk_to_bitmap_reference
-from sgl_ecospec.selection import select_verify_set_reference
+from sgl_ecospec.ops.bitmaps import bitmap_popcount_reference, topk_to_bitmap_reference
+from sgl_ecospec.ops.native import has_native_kernel
+from sgl_ecospec.ops.selection import select_verify_set_reference
 from sgl_ecospec.synthetic import random_draft_tree
 
 CUDA = torch.device("cuda")

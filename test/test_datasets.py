@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from sgl_ecospec import datasets
-from sgl_ecospec.datasets import Prompt, load_prompts, render_chat, render_chat_text
+from sgl_ecospec.lab import datasets
+from sgl_ecospec.lab.datasets import Prompt, load_prompts, render_chat, render_chat_text
 
 
 @pytest.mark.parametrize(

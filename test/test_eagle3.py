@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from sgl_ecospec.eagle3 import (
+from sgl_ecospec.lab.eagle3 import (
     Eagle3Config,
     Eagle3Draft,
     _apply_rotary,

@@ -12,19 +12,19 @@ import torch
 from _models import AUX, EXPERTS, LAYERS, TOP_K, VOCAB, tiny_target, train_draft
 
 from sgl_ecospec import select_verify_set
-from sgl_ecospec.bitmaps import bitmap_popcount, bitmap_to_ids
-from sgl_ecospec.engine import OfflineEngine, OracleExpertPredictor, SpecConfig
-from sgl_ecospec.engine.drafter import Drafter
-from sgl_ecospec.engine.kvcache import BatchKVCache
-from sgl_ecospec.engine.stats import rank_loads
-from sgl_ecospec.engine.tree import (
+from sgl_ecospec.lab.engine import OfflineEngine, OracleExpertPredictor, SpecConfig
+from sgl_ecospec.lab.engine.drafter import Drafter
+from sgl_ecospec.lab.engine.kvcache import BatchKVCache
+from sgl_ecospec.lab.engine.stats import rank_loads
+from sgl_ecospec.lab.engine.tree import (
     DraftTree,
     build_verify_tree,
     greedy_accept,
     grow_tree,
     num_candidates,
 )
-from sgl_ecospec.predictor import OnlineExpertPredictor
+from sgl_ecospec.ops.bitmaps import bitmap_popcount, bitmap_to_ids
+from sgl_ecospec.predictors import OnlineExpertPredictor
 
 MAX_NEW = 24
 
@@ -118,7 +118,7 @@ def test_routing_and_aux_capture_match_transformers(setup):
 @pytest.mark.parametrize("predictor", ["online", "oracle"])
 def test_lossless(setup, greedy, batch, policy, predictor):
     _, engine = setup
-    spec = SpecConfig(topk=4, num_steps=3, num_draft_tokens=5, policy=policy)
+    spec = SpecConfig(topk=4, num_steps=3, budget=4, policy=policy)
     result = engine.generate_speculative(PROMPTS[:batch], MAX_NEW, spec, predictor)
     assert result.outputs == greedy[batch].outputs
     accepted = [a for step in result.steps for a in step.accepted]
@@ -131,14 +131,14 @@ def test_lossless(setup, greedy, batch, policy, predictor):
 
 
 def test_head_predictor_reads_draft_states_and_learns(setup, greedy):
-    from sgl_ecospec.predictor import LowRankExpertHead
+    from sgl_ecospec.predictors import LowRankExpertHead
 
     _, engine = setup
     hidden = engine.draft.config.hidden_size
     torch.manual_seed(0)
     head = LowRankExpertHead(hidden, engine.num_layers, engine.num_experts, TOP_K, lr=1e-2)
     before = [p.clone() for p in head.parameters()]
-    spec = SpecConfig(topk=4, num_steps=3, num_draft_tokens=5, policy="ecospec")
+    spec = SpecConfig(topk=4, num_steps=3, budget=4, policy="ecospec")
     result = engine.generate_speculative(PROMPTS, MAX_NEW, spec, head)
     assert result.outputs == greedy[3].outputs
     assert 0.0 < result.predictor_recall < 1.0
@@ -152,10 +152,10 @@ def test_head_predictor_reads_draft_states_and_learns(setup, greedy):
 @pytest.mark.parametrize(
     "spec",
     [
-        SpecConfig(topk=2, num_steps=4, num_draft_tokens=6, tree_attention="ancestors"),
-        SpecConfig(topk=1, num_steps=3, num_draft_tokens=4),
-        SpecConfig(topk=3, num_steps=1, num_draft_tokens=3, policy="ecospec"),
-        SpecConfig(topk=4, num_steps=3, num_draft_tokens=8, share_buffer=False, policy="ecospec"),
+        SpecConfig(topk=2, num_steps=4, budget=5, tree_attention="ancestors"),
+        SpecConfig(topk=1, num_steps=3, budget=3),
+        SpecConfig(topk=3, num_steps=1, budget=2, policy="ecospec"),
+        SpecConfig(topk=4, num_steps=3, budget=7, share_buffer=False, policy="ecospec"),
     ],
 )
 def test_lossless_other_trees(setup, greedy, spec):
@@ -312,7 +312,7 @@ def test_adaptive_that_cannot_pay_verifies_only_the_roots(setup, greedy):
 @pytest.mark.parametrize("share_buffer", [True, False])
 def test_adaptive_selects_fewer_nodes_losslessly(setup, greedy, share_buffer):
     _, engine = setup
-    full = SpecConfig(num_draft_tokens=8, policy="ecospec", share_buffer=share_buffer)
+    full = SpecConfig(budget=7, policy="ecospec", share_buffer=share_buffer)
     # A cheap step start: nodes must be worth about as much as the bonus token per cost.
     spec = dataclasses.replace(full, policy="adaptive", step_cost=2.0)
     result = engine.generate_speculative(PROMPTS, MAX_NEW, spec)
@@ -378,8 +378,8 @@ def test_spec_config_normalises_and_validates():
 
 def test_bad_arguments(setup):
     _, engine = setup
-    with pytest.raises(ValueError, match="num_draft_tokens"):
-        SpecConfig(topk=2, num_steps=2, num_draft_tokens=8)
+    with pytest.raises(ValueError, match="budget must be in"):
+        SpecConfig(topk=2, num_steps=2, budget=7)
     with pytest.raises(ValueError, match="policy"):
         SpecConfig(policy="fastest")
     with pytest.raises(ValueError, match="predictor is for"):

@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sgl_ecospec.predictor import (
+from sgl_ecospec.predictors import (
     ExpertPredictor,
     LowRankExpertHead,
     OnlineExpertPredictor,

@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sgl_ecospec import has_native, select_verify_set, topk_to_bitmap
-from sgl_ecospec.bitmaps import bitmap_to_ids
+from sgl_ecospec.ops.bitmaps import bitmap_to_ids
+from sgl_ecospec.ops.selection import DEFAULT_EPS, select_verify_set_reference
 from sgl_ecospec.placement import expert_rank_map
-from sgl_ecospec.selection import DEFAULT_EPS, select_verify_set_reference
 from sgl_ecospec.synthetic import random_draft_tree
 
 
@@ -808,7 +808,7 @@ def test_cycles_are_never_selected_without_validation(impl):
             r"total_weight must lie in \[0, 1\]",
         ),
         (dict(policy="adaptive"), ValueError, "needs step_cost"),
-        (dict(policy="adaptive", step_cost=0.0), ValueError, "step_cost must be > 0"),
+        (dict(policy="adaptive", step_cost=0.0), ValueError, "step_cost must be finite and > 0"),
         (
             dict(policy="adaptive", step_cost=1.0, step_tokens=-1.0),
             ValueError,

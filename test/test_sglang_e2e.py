@@ -26,7 +26,13 @@ import re
 from pathlib import Path
 
 import pytest
-from sglang_ecospec.local_server import LocalServer, ServerError, ecospec_log_summary, gpu_present
+
+from sgl_ecospec.lab.serving.local_server import (
+    LocalServer,
+    ServerError,
+    ecospec_log_summary,
+    gpu_present,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -113,7 +119,7 @@ def assert_ecospec_observability(log_text: str, metrics_text: str, target: Path)
 
 @pytest.fixture(scope="module")
 def models() -> tuple[Path, Path]:
-    from sgl_ecospec.bench.cli import default_models
+    from sgl_ecospec.lab.bench.cli import default_models
 
     target, draft = default_models(small=True)
     return Path(target), Path(draft)
@@ -211,7 +217,7 @@ def test_ecospec_is_lossless_accepts_drafts_and_loads_fewer_experts(
 def head_file(models, tmp_path_factory) -> tuple[Path, dict]:
     """A LowRankExpertHead trained by ``sgl-ecospec train-head`` on ShareGPT prompts decoded
     by the offline engine on the same testbed; (file, training report)."""
-    from sgl_ecospec.cli import main
+    from sgl_ecospec.lab.cli import main
 
     root = tmp_path_factory.mktemp("head")
     path, report = root / "head.pt", root / "train.json"

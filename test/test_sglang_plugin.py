@@ -14,10 +14,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 from sglang_ecospec import ep_placement, eps_table, metrics, routing, selection
-from sglang_ecospec.cpu_dev import ops
 from sglang_ecospec.settings import EcoSpecSettings, EcoSpecSettingsError
+from sglang_ecospec_cpu import ops
 
-from sgl_ecospec.predictor import OnlineExpertPredictor
+from sgl_ecospec import step as library_step
+from sgl_ecospec.predictors import OnlineExpertPredictor
 
 # --- settings -------------------------------------------------------------------------------
 
@@ -255,13 +256,13 @@ def test_organize_hook_defers_to_sglang_when_inactive():
 def spy_on_selection(monkeypatch):
     """Records the keyword arguments of every select_verify_set call the selector makes."""
     calls = []
-    real = selection.select_verify_set
+    real = library_step.select_verify_set
 
     def spy(*args, **kwargs):
         calls.append(kwargs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(selection, "select_verify_set", spy)
+    monkeypatch.setattr(library_step, "select_verify_set", spy)
     return calls
 
 
@@ -785,7 +786,6 @@ def test_validate_server_args_reports_bad_settings(monkeypatch):
 def test_costmodel_adaptive_config_loads_in_sglang(tmp_path, capsys):
     from sglang.srt.speculative.adaptive_spec_params import AdaptiveSpeculativeParams
 
-    from sgl_ecospec import cli
     from sgl_ecospec.costmodel import (
         PerformanceModel,
         adaptive_draft_steps,
@@ -793,6 +793,7 @@ def test_costmodel_adaptive_config_loads_in_sglang(tmp_path, capsys):
         get_hardware,
         get_model,
     )
+    from sgl_ecospec.lab import cli
 
     config, report = tmp_path / "adaptive.json", tmp_path / "report.json"
     argv = ["costmodel", "--batch", "1,16,128", "--gamma", "2", "--accept-rate", "0.8"]
@@ -830,7 +831,7 @@ def test_compat_hook_shares_embed_and_head_of_targets_without_the_method():
 
 
 def test_cpu_mode_is_off_without_the_cpu_engine(monkeypatch):
-    from sglang_ecospec import cpu_dev
+    import sglang_ecospec_cpu as cpu_dev
 
     monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
     assert not cpu_dev.is_cpu_dev_mode() and not cpu_dev.enable_if_cpu()
@@ -840,7 +841,7 @@ def test_cpu_mode_is_off_without_the_cpu_engine(monkeypatch):
 
 def test_tree_mask_mode_follows_the_attention_backend():
     from sglang.kernels.ops.speculative.spec_tree import TreeMaskMode
-    from sglang_ecospec.cpu_dev import mask_mode_for_backend
+    from sglang_ecospec_cpu import mask_mode_for_backend
 
     assert mask_mode_for_backend("triton") == TreeMaskMode.FULL_MASK
     assert mask_mode_for_backend("torch_native") == TreeMaskMode.FULL_MASK
@@ -999,7 +1000,7 @@ def test_copy_all_layer_kv_cache_moves_slots_of_every_buffer():
 
 
 def test_tiny_target_spec_round_trip(tmp_path):
-    from sglang_ecospec.cpu_dev import tiny
+    from sglang_ecospec_cpu import tiny
 
     spec = tiny.TinyTargetSpec()
     ids = tiny.output_ids(spec)
@@ -1102,9 +1103,9 @@ def test_head_gets_the_draft_state_that_proposed_each_candidate():
         _, index, _ = selection.organize_hook(None, *lists, ndt)
     finally:
         selection.activate(None)
-    # The last predict_topk call is the roots' (their own states 0 and 1), the one before
-    # it the candidates'; check the candidates' through the recorded verify rows.
-    assert predictor.seen.tolist() == [0.0, 1.0]
+    # One predict_topk call over the root-first rows: each request's root reads its own
+    # state (0 and 1); check the candidates' through the recorded verify rows.
+    assert predictor.seen.view(batch, -1)[:, 0].tolist() == [0.0, 1.0]
     chosen = proposers.gather(1, index)  # [B, D - 1]: the state behind each chosen node
     rows = selector.verify_topk[: batch * ndt].view(batch, ndt, 2, 2)
     assert rows[:, 0, 0, 0].tolist() == [0, 1]  # roots
@@ -1115,7 +1116,7 @@ def test_runtime_serves_a_trained_head_frozen(tmp_path):
     from sglang_ecospec import algorithm
     from transformers import Qwen2MoeConfig
 
-    from sgl_ecospec.predictor import LowRankExpertHead
+    from sgl_ecospec.predictors import LowRankExpertHead
 
     config = Qwen2MoeConfig(
         hidden_size=16, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2

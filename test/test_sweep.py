@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from sgl_ecospec import select_verify_set
-from sgl_ecospec.bench import ep_cost, metrics, sweep
-from sgl_ecospec.bench.cli import performance_model
-from sgl_ecospec.bitmaps import topk_to_bitmap
 from sgl_ecospec.costmodel import expected_unique_experts, get_model, selection_cost
-from sgl_ecospec.engine import SpecConfig
-from sgl_ecospec.engine.stats import rank_loads
+from sgl_ecospec.lab.bench import ep_cost, metrics, sweep
+from sgl_ecospec.lab.bench.cli import performance_model
+from sgl_ecospec.lab.engine import SpecConfig
+from sgl_ecospec.lab.engine.stats import rank_loads
+from sgl_ecospec.ops.bitmaps import topk_to_bitmap
 
 QWEN3 = get_model("qwen3-235b-a22b")
 
@@ -198,11 +198,11 @@ def test_selection_configs_follow_the_cost_model():
     assert ep["expert_rank"] == tuple(i // 4 for i in range(16))
     for kwargs in configs.values():
         spec = SpecConfig(**kwargs)
-        assert spec.num_draft_tokens == 5 and spec.share_buffer
+        assert spec.budget == 4 and spec.share_buffer
     assert configs["confidence"] == {
         "topk": 4,
         "num_steps": 3,
-        "num_draft_tokens": 5,
+        "budget": 4,
         "share_buffer": True,
         "policy": "confidence",
     }
@@ -293,7 +293,7 @@ def test_invalid_arguments(argv, message):
 
 
 def test_registered_on_the_cli():
-    from sgl_ecospec.cli import build_parser
+    from sgl_ecospec.lab.cli import build_parser
 
     args = build_parser().parse_args(["sweep", "--batch-sizes", "1,2"])
     assert args.run is sweep.run
@@ -312,8 +312,8 @@ def tiny_models(tmp_path_factory):
     never accepted)."""
     from _models import byte_tokenizer, tiny_target, train_draft
 
-    from sgl_ecospec.datasets import load_prompts, render_chat
-    from sgl_ecospec.engine import OfflineEngine
+    from sgl_ecospec.lab.datasets import load_prompts, render_chat
+    from sgl_ecospec.lab.engine import OfflineEngine
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -480,8 +480,8 @@ def test_oracle_predictor_sweep(tiny_models, tmp_path):
 
 
 def test_warm_started_predictor_sweep(tiny_models, tmp_path):
-    from sgl_ecospec.engine import OfflineEngine
-    from sgl_ecospec.predictor import OnlineExpertPredictor
+    from sgl_ecospec.lab.engine import OfflineEngine
+    from sgl_ecospec.predictors import OnlineExpertPredictor
 
     missing = str(tmp_path / "missing.pt")
     with pytest.raises(FileNotFoundError, match="missing.pt' does not exist"):

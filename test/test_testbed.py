@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from sgl_ecospec import eagle3
-from sgl_ecospec.testbed import acceptance, build, draft_training, moefy, recipe, routers
+from sgl_ecospec.lab import eagle3
+from sgl_ecospec.lab.testbed import acceptance, build, draft_training, moefy, recipe, routers
 
 # --- fast unit tests -------------------------------------------------------------------
 
@@ -288,7 +288,7 @@ def test_tokenizer_round_trips_and_has_the_chat_template(small_build):
 
 def _routing_on_held_out(target, tokenizer):
     """Per MoE layer: router top-K ids and activation-mass top-K ids, ``[T, K]`` each."""
-    from sgl_ecospec.testbed import assets, data
+    from sgl_ecospec.lab.testbed import assets, data
 
     convs = assets.sharegpt_conversations(build.EVAL_CONVS.stop)[build.EVAL_CONVS]
     ids = data.packed_chunks(tokenizer, convs, 1, 512)
@@ -342,7 +342,7 @@ def test_router_is_trained_skewed_and_context_dependent(small_build, target):
 
 
 def test_draft_loads_with_aux_layers_inside_the_target(small_build, target):
-    from sgl_ecospec.eagle3 import Eagle3Draft
+    from sgl_ecospec.lab.eagle3 import Eagle3Draft
 
     draft = Eagle3Draft.from_pretrained(small_build / "draft")
     assert max(draft.config.aux_layer_ids) <= target.config.num_hidden_layers - 2

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from sgl_ecospec.kernels.verify_moe import verify_moe, verify_moe_reference
+from sgl_ecospec.ops.verify_moe import verify_moe, verify_moe_reference
 
 CASES = [
     # tokens, hidden, inter, experts, top_k, dtype, shared (all tokens on the same experts)
@@ -68,7 +68,7 @@ def test_triton_kernel_matches_reference_under_interpreter():
         sys.path.insert(0, {str(__file__.rsplit("/", 1)[0])!r})
         import torch
         from test_verify_moe import CASES, make_inputs
-        from sgl_ecospec.kernels.verify_moe import verify_moe, verify_moe_reference
+        from sgl_ecospec.ops.verify_moe import verify_moe, verify_moe_reference
 
         for case in CASES:
             inputs = make_inputs(*case)

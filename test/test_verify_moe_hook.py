@@ -130,7 +130,7 @@ def layer_checks() -> dict:
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.test.layer_ut_utils import init_single_process_dist
 
-    from sgl_ecospec.kernels.verify_moe import verify_moe_reference
+    from sgl_ecospec.ops.verify_moe import verify_moe_reference
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -160,7 +160,7 @@ class EcoSpecRuntime:
         """Builds and activates everything; ``ep_layout`` is SGLang's EP state
         (``ep_placement.EPLayout``; None: no EP). ValueError when the settings do not fit
         the served model or its parallelism."""
-        from sgl_ecospec.predictor import LowRankExpertHead, OnlineExpertPredictor
+        from sgl_ecospec.predictors import LowRankExpertHead, OnlineExpertPredictor
         from sglang_ecospec import ep_placement, eps_table, metrics, routing, selection
 
         layer_ids, num_experts, top_k = routing.moe_layout(hf_config)

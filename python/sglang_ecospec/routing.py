@@ -169,7 +169,7 @@ class VerifyStats:
     def update(self, routing: torch.Tensor, predicted: torch.Tensor) -> None:
         """``routing`` int64 ``[T, L, K]``: the experts of this step's T verify tokens;
         ``predicted`` int64 ``[T, L, K]``: what the predictor said before the step."""
-        from sgl_ecospec.predictor import multi_hot
+        from sgl_ecospec.predictors import multi_hot
 
         num_tokens, layers, top_k = routing.shape
         union = torch.zeros((layers, self.num_experts), device=routing.device)  # [L, E]

@@ -4,8 +4,9 @@ EAGLE's draft step (``EagleDraftWorker.draft_forward``) grows a tree of candidat
 calls ``eagle_utils.organize_draft_results(score_list, token_list, parents_list, ndt)``,
 which keeps the ``ndt - 1`` candidates of highest cumulative probability. With ECOSPEC active
 in the process, :func:`organize_hook` (an AROUND hook) hands the same inputs to the active
-:class:`EcoSpecSelector`, which picks by P / (DeltaCost + eps) with the core's
-``sgl_ecospec.select_verify_set`` (CUDA op on GPU, C++ op on CPU) and returns exactly what
+:class:`EcoSpecSelector`, which picks by P / (DeltaCost + eps) with the library's one
+selection step, ``sgl_ecospec.step.select_step`` (the offline engine's too; its
+``select_verify_set`` runs the CUDA op on GPU, the C++ op on CPU), and returns exactly what
 SGLang expects. Without an active selector (EAGLE, EAGLE3, ...) the hook calls the original.
 
 SGLang's tree, per request (``select_top_k_tokens``): step 0 proposes K candidates (children
@@ -25,7 +26,7 @@ with ``num_ranks`` and ``total_weight``; with ``eps="auto"`` it looks eps up by 
 the cost model's table (:mod:`sglang_ecospec.eps_table`), on the host.
 
 Expert predictions: the online predictor reads candidate token ids only; a trained
-:class:`sgl_ecospec.predictor.LowRankExpertHead` also reads the draft state that proposed each
+:class:`sgl_ecospec.predictors.LowRankExpertHead` also reads the draft state that proposed each
 candidate, which :func:`select_hook` (an AROUND hook on SGLang's ``select_top_k_tokens``, the
 per-step function that receives those states) hands to the selector: at step 0 the root's
 state ``[B, H]`` proposes all K candidates, at step i the K beams' states ``[B*K, H]`` propose
@@ -45,9 +46,8 @@ import logging
 
 import torch
 
-from sgl_ecospec import select_verify_set
-from sgl_ecospec.bitmaps import topk_to_bitmap
-from sgl_ecospec.predictor import ExpertPredictor
+from sgl_ecospec.predictors import ExpertPredictor
+from sgl_ecospec.step import Placement, select_step
 from sglang_ecospec.ep_placement import ExpertPlacement
 from sglang_ecospec.eps_table import EpsTable
 from sglang_ecospec.settings import EcoSpecSettings
@@ -119,6 +119,10 @@ class EcoSpecSelector:
         self.topk = topk
         self.num_draft_tokens = num_draft_tokens
         self.placement = placement
+        self.placement_view = (
+            None if placement is None else Placement(placement.expert_rank, placement.num_ranks)
+        )
+        self.options = settings.selection_options()
         self.eps_table = eps_table
         # Predicted experts of the last selection's verify rows, in SGLang's verify order
         # (per request: the root, then the chosen candidates); int16 holds any expert id.
@@ -189,18 +193,6 @@ class EcoSpecSelector:
             )
         return root, states
 
-    def _predict(self, tokens: torch.Tensor, roots: torch.Tensor):
-        """Predicted experts of the candidates ``[B, N, L, K]`` and roots ``[B, L, K]``."""
-        batch, num_candidates = tokens.shape
-        if self.predictor.needs_hidden:
-            root_states, states = self._candidate_states(batch, num_candidates)
-            flat = self.predictor.predict_topk(tokens.flatten().long(), states.flatten(0, 1))
-            root = self.predictor.predict_topk(roots, root_states)
-        else:
-            flat = self.predictor.predict_topk(tokens.flatten().long())
-            root = self.predictor.predict_topk(roots)
-        return flat.view(batch, num_candidates, *flat.shape[1:]), root
-
     def organize(
         self,
         score_list: list[torch.Tensor],
@@ -228,38 +220,25 @@ class EcoSpecSelector:
         else:  # an eager batch past the captured maximum: no seeds
             roots = torch.zeros(batch, dtype=torch.int64, device=scores.device)
             valid = torch.zeros(batch, dtype=torch.bool, device=scores.device)
-        predicted, root_predicted = self._predict(tokens, roots)  # [B, N, L, K], [B, L, K]
-        num_experts = self.predictor.num_experts
-        experts = topk_to_bitmap(predicted, num_experts, validate=False)  # [B, N, L, W]
-        root_experts = topk_to_bitmap(root_predicted, num_experts, validate=False)  # [B, L, W]
-        keep = valid.long()
-        experts = experts * keep[:, None, None, None]
-        root_experts = root_experts * keep[:, None, None]
-        ep = {}
-        if self.placement is not None:
-            ep = {
-                "expert_rank": self.placement.expert_rank,
-                "num_ranks": self.placement.num_ranks,
-                "total_weight": self.settings.total_weight,
-            }
-        index = select_verify_set(
+        states = None
+        if self.predictor.needs_hidden:
+            root_states, candidate_states = self._candidate_states(batch, num_candidates)
+            states = torch.cat([root_states[:, None], candidate_states], 1)  # [B, 1 + N, H]
+        step = select_step(
+            self.predictor,
+            torch.cat([roots[:, None], tokens.long()], 1),  # [B, 1 + N], root first
             scores.float(),
             parents,
-            experts,
             budget,
-            root_experts=root_experts,
-            policy=self.settings.policy,
-            eps=self.eps_for(batch),
-            share_buffer=self.settings.share_buffer,
-            validate=False,
-            **ep,
-        )  # [B, D-1] ascending; complete, every candidate is reachable
-        draft_tokens = torch.gather(tokens, 1, index)  # [B, D-1]
+            self.options.with_eps(self.eps_for(batch)),
+            states=states,
+            valid=valid,
+            placement=self.placement_view,
+        )
+        index = step.selected  # [B, D-1] ascending; complete, every candidate is reachable
+        draft_tokens = torch.gather(tokens, 1, index.clamp_min(0))  # [B, D-1]
         if batch <= self.max_batch and num_draft_token == self.num_draft_tokens:
-            chosen = predicted.gather(
-                1, index[:, :, None, None].expand(-1, -1, *predicted.shape[2:])
-            )
-            rows = torch.cat([root_predicted[:, None], chosen], 1)  # [B, D, L, K]
+            rows = step.verify_predicted  # [B, D, L, K]: root, then the chosen candidates
             self.verify_topk[: rows.shape[0] * rows.shape[1]].copy_(rows.flatten(0, 1))
         self.calls += 1
         return parent_list, index, draft_tokens

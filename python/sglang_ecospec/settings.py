@@ -22,6 +22,7 @@ import typing
 from typing import Any
 
 from sgl_ecospec.costmodel.profiles import HARDWARE, MODELS, get_hardware, get_model
+from sgl_ecospec.ops.selection import DEFAULT_EPS, SelectionOptions
 
 ENV_PREFIX = "SGLANG_ECOSPEC_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
@@ -56,9 +57,9 @@ class EcoSpecSettings:
             False: count experts as without EP.
         total_weight: in [0, 1], weight of the experts off the busiest rank in the EP cost,
             or None for 1 / ep_size. Read only under EP with ep_cost.
-        predictor: "online" (:class:`sgl_ecospec.predictor.OnlineExpertPredictor`: routing
+        predictor: "online" (:class:`sgl_ecospec.predictors.OnlineExpertPredictor`: routing
             counts per token, learnt while serving) or "head" (a trained
-            :class:`sgl_ecospec.predictor.LowRankExpertHead`, from ``sgl-ecospec train-head``:
+            :class:`sgl_ecospec.predictors.LowRankExpertHead`, from ``sgl-ecospec train-head``:
             reads each candidate's token and the draft state that proposed it; used as
             trained).
         predictor_file: for "online" a warm start written by ``OnlineExpertPredictor.save``,
@@ -105,13 +106,10 @@ class EcoSpecSettings:
         if self.policy not in POLICIES:
             raise EcoSpecSettingsError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         self._check_eps()
-        if self.total_weight is not None and not (
-            math.isfinite(self.total_weight) and 0 <= self.total_weight <= 1
-        ):
-            raise EcoSpecSettingsError(
-                f"total_weight must lie in [0, 1] (or be unset for 1 / ep_size), "
-                f"got {self.total_weight}"
-            )
+        try:
+            self.selection_options()
+        except (TypeError, ValueError) as exc:
+            raise EcoSpecSettingsError(f"{exc} (eps may also be {AUTO!r})") from None
         if self.predictor not in PREDICTORS:
             raise EcoSpecSettingsError(
                 f"predictor must be one of {PREDICTORS}, got {self.predictor!r}"
@@ -134,6 +132,12 @@ class EcoSpecSettings:
         for name in ("halve_every", "log_interval"):
             if getattr(self, name) < 0:
                 raise EcoSpecSettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    def selection_options(self) -> SelectionOptions:
+        """The library's checked selection options. With eps "auto" their eps is a
+        placeholder: the selector sets the cost model's per batch size."""
+        eps = DEFAULT_EPS if self.eps_auto else self.eps
+        return SelectionOptions(self.policy, eps, self.share_buffer, self.total_weight)
 
     @property
     def eps_auto(self) -> bool:
@@ -164,10 +168,6 @@ class EcoSpecSettings:
             except ValueError as exc:
                 raise EcoSpecSettingsError(f"eps={AUTO!r}: {exc}") from None
             return
-        if not (math.isfinite(self.eps) and self.eps > 0):
-            raise EcoSpecSettingsError(
-                f"eps must be a finite number > 0 or {AUTO!r}, got {self.eps}"
-            )
         given = [name for name in ("profile", "hardware") if getattr(self, name) is not None]
         if given:
             raise EcoSpecSettingsError(

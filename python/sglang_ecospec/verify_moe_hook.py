@@ -1,7 +1,7 @@
 """EcoSpec's verify-MoE kernel in the target's verify forwards (setting ``verify_moe_kernel``).
 
 A verify forward carries few tokens (B x verified nodes) spread over many experts, the case
-:func:`sgl_ecospec.kernels.verify_moe.verify_moe` is written for: it streams each active
+:func:`sgl_ecospec.ops.verify_moe.verify_moe` is written for: it streams each active
 expert's weights once. With the setting on, two AROUND hooks route the routed-expert part of
 the target's MoE layers through it, during target-verify forwards only:
 
@@ -40,7 +40,7 @@ import os
 
 import torch
 
-from sgl_ecospec.kernels import verify_moe as kernel
+from sgl_ecospec.ops import verify_moe as kernel
 from sglang_ecospec.settings import EcoSpecSettingsError
 
 logger = logging.getLogger(__name__)

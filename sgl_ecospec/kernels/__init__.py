@@ -1,1 +1,0 @@
-"""GPU kernels written in Triton, each with a plain PyTorch reference beside it."""

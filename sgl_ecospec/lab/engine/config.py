@@ -1,0 +1,139 @@
+"""Speculative decoding parameters (SGLang's ``--speculative-*`` flags plus the selection)."""
+
+import dataclasses
+
+import torch
+
+from sgl_ecospec.lab.engine.drafter import TREE_ATTENTION
+from sgl_ecospec.lab.engine.tree import num_candidates
+from sgl_ecospec.ops.selection import SelectionOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """How the draft tree is grown and which candidates are verified.
+
+    Attributes:
+        topk: children per beam (``--speculative-eagle-topk``).
+        num_steps: draft depth (``--speculative-num-steps``).
+        budget: candidates verified per request besides the root, out of N = topk +
+            (num_steps - 1) * topk^2 ("adaptive" may select fewer); SGLang's
+            ``--speculative-num-draft-tokens`` is budget + 1 (:attr:`num_draft_tokens`).
+        policy: selection policy of :func:`sgl_ecospec.select_verify_set`: "confidence"
+            (SGLang's own choice), "ecospec" or "adaptive".
+        eps: EcoSpec's eps in P / (DeltaCost + eps), in expert loads
+            (``costmodel.selection_cost`` derives it).
+        share_buffer: one expert buffer for the whole batch (see ``select_verify_set``).
+        tree_attention: how draft beams attend to earlier draft steps: "sglang" (SGLang's
+            per-slot KV layout) or "ancestors" (a true tree mask); see ``engine.drafter``.
+        layer_weights: weight of each MoE layer's DeltaCost, L floats >= 0, or None (all
+            ones). Any sequence or 1-D tensor is stored as a tuple of floats.
+        expert_rank: the expert-parallel rank holding each expert, E ints (every layer) or
+            L rows of E ints, or None (no EP: DeltaCost counts every expert alike). Any
+            nested sequence or integer tensor is stored as (nested) tuples of ints;
+            ``sgl_ecospec.placement.expert_rank_map`` builds one from SGLang's layout.
+        num_ranks: R, EP ranks (>= 1); None for max(expert_rank) + 1. Only with
+            ``expert_rank``.
+        total_weight: in [0, 1], weight of the experts off the busiest rank; None for 1 / R.
+            Only with ``expert_rank``.
+        step_tokens: >= 0, "adaptive": expected tokens a request's step yields before any
+            candidate (1: the bonus token).
+        step_cost: > 0, "adaptive" (required there): a request's share of the step's cost
+            before any candidate, in the units of eps.
+
+    E and L are checked against the target when the engine runs.
+    """
+
+    topk: int = 4
+    num_steps: int = 3
+    budget: int = 4
+    policy: str = "confidence"
+    eps: float = 0.1
+    share_buffer: bool = True
+    tree_attention: str = "sglang"
+    layer_weights: tuple[float, ...] | None = None
+    expert_rank: tuple[int, ...] | tuple[tuple[int, ...], ...] | None = None
+    num_ranks: int | None = None
+    total_weight: float | None = None
+    step_tokens: float = 1.0
+    step_cost: float | None = None
+    selection_options: SelectionOptions = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.topk < 1 or self.num_steps < 1:
+            raise ValueError(f"topk and num_steps must be >= 1, got {self.topk}, {self.num_steps}")
+        candidates = num_candidates(self.topk, self.num_steps)
+        if isinstance(self.budget, bool) or not isinstance(self.budget, int):
+            raise TypeError(f"budget must be an int, got {self.budget!r}")
+        if not 1 <= self.budget <= candidates:
+            raise ValueError(
+                f"budget must be in [1, {candidates}] (up to N = {candidates} candidates for "
+                f"topk={self.topk}, num_steps={self.num_steps}), got {self.budget}"
+            )
+        # The policy, eps, total weight and adaptive account are checked in one place.
+        object.__setattr__(
+            self,
+            "selection_options",
+            SelectionOptions(
+                self.policy,
+                self.eps,
+                self.share_buffer,
+                self.total_weight,
+                self.step_tokens,
+                self.step_cost,
+            ),
+        )
+        if self.tree_attention not in TREE_ATTENTION:
+            raise ValueError(
+                f"tree_attention must be one of {TREE_ATTENTION}, got {self.tree_attention!r}"
+            )
+        if self.layer_weights is not None:
+            object.__setattr__(self, "layer_weights", _layer_weights(self.layer_weights))
+        self._check_placement()
+
+    def _check_placement(self):
+        if self.expert_rank is None:
+            for name in ("num_ranks", "total_weight"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} needs expert_rank (the expert -> EP rank placement)")
+            return
+        ranks = torch.as_tensor(self.expert_rank)
+        if ranks.numel() == 0:
+            raise ValueError("expert_rank is empty: give the rank of every expert")
+        if ranks.dtype.is_floating_point or ranks.dtype == torch.bool or ranks.dim() not in (1, 2):
+            raise ValueError(
+                "expert_rank must be integers shaped [E] or [L, E], got dtype "
+                f"{ranks.dtype} and shape {tuple(ranks.shape)}"
+            )
+        num_ranks = int(ranks.max()) + 1 if self.num_ranks is None else self.num_ranks
+        if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+            raise ValueError(f"num_ranks must be an int >= 1, got {self.num_ranks!r}")
+        if bool(((ranks < 0) | (ranks >= num_ranks)).any()):
+            raise ValueError(f"expert_rank values must lie in [0, num_ranks={num_ranks})")
+        object.__setattr__(self, "expert_rank", _as_tuple(ranks.tolist()))
+        object.__setattr__(self, "num_ranks", num_ranks)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Verified tokens per request including the root: SGLang's
+        ``--speculative-num-draft-tokens``."""
+        return self.budget + 1
+
+    @property
+    def num_candidates(self) -> int:
+        """N, candidates in the draft tree."""
+        return num_candidates(self.topk, self.num_steps)
+
+
+def _layer_weights(weights) -> tuple[float, ...]:
+    values = torch.as_tensor(weights, dtype=torch.float64)
+    if values.dim() != 1 or values.numel() == 0:
+        raise ValueError(f"layer_weights must be L >= 1 floats, got shape {tuple(values.shape)}")
+    if not bool(torch.isfinite(values).all()) or bool((values < 0).any()):
+        raise ValueError("layer_weights must be finite and >= 0")
+    return tuple(values.tolist())
+
+
+def _as_tuple(value):
+    """Nested lists -> nested tuples (hashable, comparable)."""
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, list) else value

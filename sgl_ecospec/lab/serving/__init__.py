@@ -1,0 +1,2 @@
+"""The serving benchmark's Python side: local SGLang servers and ``sglang.bench_serving``
+against each (``scripts/bench_serving.sh``)."""

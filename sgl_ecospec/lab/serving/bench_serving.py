@@ -1,0 +1,342 @@
+"""Serving benchmark: one server per algorithm, SGLang's own bench_serving against each.
+
+``bash scripts/bench_serving.sh [options]`` (= ``python -m sgl_ecospec.lab.serving.bench_serving``)
+starts a server for each of ``--algorithms`` (none, eagle3, ecospec-confidence, ecospec),
+runs ``python -m sglang.bench_serving --backend sglang`` with packaged prompts (MT-Bench or
+ShareGPT first turns, written to an offline ShareGPT-format file) at every
+``--concurrency``, and prints one table: output throughput, mean TPOT, acceptance length
+(from the phase's decode log lines, one per step),
+and, for ECOSPEC servers, unique experts per layer per verify step and predictor recall
+(from the scheduler's ``EcoSpec:`` log lines of that phase).
+
+``ecospec-confidence`` is ECOSPEC with ``policy=confidence``: the same verify sets as
+EAGLE3 (SGLang's ``organize_draft_results`` ranking, equality tested), measured by the
+plugin, so its expert count is EAGLE3's at the same settings; the ``eagle3`` row is SGLang's
+own worker, for throughput.
+
+Without a GPU the servers run in the CPU development mode (``scripts/launch_cpu.sh``) with
+the arguments it needs; the default model is the small testbed. On a GPU pass
+``--model-path``, ``--draft-model-path`` and any server flags in ``--server-args``.
+"""
+
+import argparse
+import json
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from sgl_ecospec.lab.serving.local_server import (
+    LocalServer,
+    ServerError,
+    accept_length_from_log,
+    ecospec_log_summary,
+    gpu_present,
+)
+
+ALGORITHMS = ("none", "eagle3", "ecospec-confidence", "ecospec")
+WARMUP_PROMPT = "Hello"
+DATASETS = ("mt-bench", "sharegpt")
+# What the CPU development mode needs (docs/sglang.md); the memory pool is host RAM.
+CPU_SERVER_ARGS = (
+    "--dtype float32 --max-total-tokens 8192 --disable-cuda-graph --skip-server-warmup "
+    "--attention-backend triton"
+)
+
+_COLUMNS = (
+    ("algorithm", 18, "algorithm", "{}"),
+    ("conc", 4, "concurrency", "{:d}"),
+    ("done", 4, "completed", "{:d}"),
+    ("tok/s", 8, "output_throughput", "{:.2f}"),
+    ("TPOT ms", 9, "mean_tpot_ms", "{:.1f}"),
+    ("accept", 6, "accept_length", "{:.3f}"),
+    ("experts", 7, "experts_per_layer_step", "{:.2f}"),
+    ("recall", 6, "predictor_recall", "{:.3f}"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="scripts/bench_serving.sh",
+        description="Throughput, TPOT, acceptance length and unique experts per verify step "
+        "of SGLang servers without speculation, with EAGLE3 and with ECOSPEC.",
+    )
+    parser.add_argument("--model-path", help="target model (default: the small testbed)")
+    parser.add_argument("--draft-model-path", help="EAGLE-3 draft (default: the testbed's)")
+    parser.add_argument(
+        "--algorithms",
+        default=",".join(ALGORITHMS),
+        help=f"comma-separated, from {', '.join(ALGORITHMS)}",
+    )
+    parser.add_argument("--dataset", choices=DATASETS, default="mt-bench")
+    parser.add_argument("--num-prompts", type=int, default=8, help="prompts per concurrency")
+    parser.add_argument("--output-len", type=int, default=32, help="new tokens per request")
+    parser.add_argument("--concurrency", default="1,4", help="comma-separated concurrencies")
+    parser.add_argument("--num-steps", type=int, default=3, help="--speculative-num-steps")
+    parser.add_argument("--topk", type=int, default=4, help="--speculative-eagle-topk")
+    parser.add_argument(
+        "--num-draft-tokens", type=int, default=5, help="--speculative-num-draft-tokens"
+    )
+    parser.add_argument("--eps", type=float, help="EcoSpec eps (SGLANG_ECOSPEC_EPS)")
+    parser.add_argument(
+        "--server-args",
+        default=None,
+        help=f"extra server flags (default on CPU: {CPU_SERVER_ARGS!r})",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="prompt subset and order")
+    parser.add_argument("--json", metavar="FILE", help="write the runs as JSON")
+    parser.add_argument("--log-dir", help="keep server and client logs here")
+    return parser
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} must list integers >= 1, got {text!r}")
+    return values
+
+
+def validate(args: argparse.Namespace) -> dict:
+    """The run's configuration; ValueError on invalid arguments (before any server starts)."""
+    algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    unknown = [a for a in algorithms if a not in ALGORITHMS]
+    if unknown or not algorithms:
+        raise ValueError(
+            f"unknown --algorithms {unknown or args.algorithms!r}; valid: {ALGORITHMS}"
+        )
+    if len(set(algorithms)) != len(algorithms):
+        raise ValueError(f"--algorithms lists one twice: {args.algorithms!r}")
+    for flag in ("num_prompts", "output_len", "num_steps", "topk", "num_draft_tokens"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.output_len < 4:
+        raise ValueError(f"--output-len must be >= 4 (sglang.bench_serving), got {args.output_len}")
+    if args.eps is not None and not args.eps > 0:
+        raise ValueError(f"--eps must be > 0, got {args.eps}")
+    if (args.model_path is None) != (args.draft_model_path is None) and any(
+        a != "none" for a in algorithms
+    ):
+        raise ValueError("give both --model-path and --draft-model-path, or neither (testbed)")
+    cpu = not gpu_present()
+    server_args = args.server_args
+    if server_args is None:
+        server_args = CPU_SERVER_ARGS if cpu else ""
+    return {
+        "algorithms": algorithms,
+        "dataset": args.dataset,
+        "num_prompts": args.num_prompts,
+        "output_len": args.output_len,
+        "concurrency": _ints(args.concurrency, "--concurrency"),
+        "num_steps": args.num_steps,
+        "topk": args.topk,
+        "num_draft_tokens": args.num_draft_tokens,
+        "eps": args.eps,
+        "server_args": shlex.split(server_args),
+        "seed": args.seed,
+        "cpu": cpu,
+        "model_path": args.model_path,
+        "draft_model_path": args.draft_model_path,
+    }
+
+
+def server_launch(cfg: dict, algorithm: str) -> tuple[list[str], dict]:
+    """(server arguments, extra environment) of one algorithm's server."""
+    args = ["--model-path", cfg["model_path"], *cfg["server_args"]]
+    args += ["--max-running-requests", str(max(cfg["concurrency"]))]
+    env = {}
+    if algorithm != "none":
+        name = "EAGLE3" if algorithm == "eagle3" else "ECOSPEC"
+        args += [
+            "--speculative-algorithm",
+            name,
+            "--speculative-draft-model-path",
+            cfg["draft_model_path"],
+            "--speculative-num-steps",
+            str(cfg["num_steps"]),
+            "--speculative-eagle-topk",
+            str(cfg["topk"]),
+            "--speculative-num-draft-tokens",
+            str(cfg["num_draft_tokens"]),
+            # One decode log line per step: the phase's acceptance length is read from them
+            # (SGLang's /server_info average runs over the server's whole life).
+            "--decode-log-interval",
+            "1",
+        ]
+    if algorithm.startswith("ecospec"):
+        env["SGLANG_ECOSPEC_POLICY"] = (
+            "confidence" if algorithm == "ecospec-confidence" else "ecospec"
+        )
+        env["SGLANG_ECOSPEC_LOG_INTERVAL"] = "4"
+        if cfg["eps"] is not None:
+            env["SGLANG_ECOSPEC_EPS"] = str(cfg["eps"])
+    return args, env
+
+
+def write_sharegpt_file(dataset: str, num_prompts: int, seed: int, path: Path, tokenizer) -> None:
+    """``num_prompts`` prompts of a packaged dataset as a ShareGPT-format JSON file (what
+    ``sglang.bench_serving --dataset-name sharegpt --dataset-path`` reads), each already
+    rendered with ``tokenizer``'s chat template (``render_chat_text``), so the server
+    tokenizes it into the very ids the offline engine decodes (``render_chat``)."""
+    from sgl_ecospec.lab.datasets import load_prompts, render_chat_text
+
+    prompts = load_prompts(dataset, num_prompts=num_prompts, seed=seed)
+    records = [
+        {
+            "id": p.source,
+            "conversations": [
+                {"from": "human", "value": render_chat_text(tokenizer, p.text)},
+                {"from": "gpt", "value": ""},
+            ],
+        }
+        for p in prompts
+    ]
+    path.write_text(json.dumps(records))
+
+
+def run_client(cfg: dict, server: LocalServer, dataset_file: Path, concurrency: int, out: Path):
+    """One ``sglang.bench_serving`` run; returns its result record (the JSONL line)."""
+    command = [
+        sys.executable,
+        "-m",
+        "sglang.bench_serving",
+        "--backend",
+        "sglang",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(server.port),
+        "--dataset-name",
+        "sharegpt",
+        "--dataset-path",
+        str(dataset_file),
+        "--num-prompts",
+        str(cfg["num_prompts"]),
+        "--sharegpt-output-len",
+        str(cfg["output_len"]),
+        "--tokenizer",
+        cfg["model_path"],
+        "--max-concurrency",
+        str(concurrency),
+        "--seed",
+        str(cfg["seed"]),
+        "--output-file",
+        str(out),
+        "--disable-tqdm",
+        # run() warms the server up before it marks the log: bench_serving's own warmup
+        # request would land inside the measured window (a batch of one at any concurrency).
+        "--warmup-requests",
+        "0",
+    ]
+    log = out.with_suffix(".log")
+    with open(log, "w") as f:
+        done = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT)
+    if done.returncode != 0 or not out.is_file():
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+        raise RuntimeError(f"sglang.bench_serving failed ({done.returncode}):\n{tail}")
+    return json.loads(out.read_text().strip().splitlines()[-1])
+
+
+def format_table(runs: list[dict]) -> str:
+    def cell(run, key, fmt):
+        value = run.get(key)
+        return "-" if value is None else fmt.format(value)
+
+    lines = [
+        " ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w, _, _) in enumerate(_COLUMNS))
+    ]
+    for run in runs:
+        cells = [cell(run, key, fmt) for _, _, key, fmt in _COLUMNS]
+        lines.append(
+            " ".join(
+                c.ljust(w) if i == 0 else c.rjust(w)
+                for i, (c, (_, w, _, _)) in enumerate(zip(cells, _COLUMNS, strict=True))
+            )
+        )
+    return "\n".join(lines)
+
+
+def run(cfg: dict, work: Path, log=print) -> list[dict]:
+    """Runs every algorithm at every concurrency; returns one record per (algorithm, conc)."""
+    dataset_file = work / f"{cfg['dataset']}.json"
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
+    write_sharegpt_file(cfg["dataset"], cfg["num_prompts"], cfg["seed"], dataset_file, tokenizer)
+    runs = []
+    for algorithm in cfg["algorithms"]:
+        args, env = server_launch(cfg, algorithm)
+        log(f"[bench_serving] {algorithm}: starting server ({'CPU mode' if cfg['cpu'] else 'GPU'})")
+        start = time.monotonic()
+        with LocalServer(args, work / f"server-{algorithm}.log", env=env, cpu=cfg["cpu"]) as server:
+            log(f"[bench_serving] {algorithm}: ready after {time.monotonic() - start:.0f} s")
+            for concurrency in cfg["concurrency"]:
+                server.generate(WARMUP_PROMPT, 4)
+                offset = server.log_size()
+                t0 = time.monotonic()
+                out = work / f"client-{algorithm}-c{concurrency}.jsonl"
+                result = run_client(cfg, server, dataset_file, concurrency, out)
+                phase_log = server.log_text(offset)
+                stats = ecospec_log_summary(phase_log)
+                record = {
+                    "algorithm": algorithm,
+                    "concurrency": concurrency,
+                    "completed": result.get("completed"),
+                    "output_throughput": result.get("output_throughput"),
+                    "mean_tpot_ms": result.get("mean_tpot_ms"),
+                    "median_tpot_ms": result.get("median_tpot_ms"),
+                    "mean_ttft_ms": result.get("mean_ttft_ms"),
+                    "accept_length": accept_length_from_log(phase_log),
+                    "experts_per_layer_step": stats["experts_per_layer_step"],
+                    "predictor_recall": stats["predictor_recall"],
+                    "verify_steps_logged": stats["verify_steps"],
+                    "wall_seconds": time.monotonic() - t0,
+                }
+                runs.append(record)
+                log(
+                    f"[bench_serving] {algorithm} c={concurrency}: "
+                    f"{record['output_throughput']:.2f} tok/s ({record['wall_seconds']:.0f} s)"
+                )
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so every started server is stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        cfg = validate(args)
+        if cfg["model_path"] is None:
+            from sgl_ecospec.lab.bench.cli import default_models
+
+            print("[bench_serving] using the small testbed (built on first use)", flush=True)
+            cfg["model_path"], cfg["draft_model_path"] = default_models(small=True)
+        for key in ("model_path", "draft_model_path"):
+            if cfg[key] is not None and not Path(cfg[key]).exists():
+                raise FileNotFoundError(f"--{key.replace('_', '-')} {cfg[key]!r} does not exist")
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"bench_serving: error: {exc}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="ecospec-bench-serving-") as tmp:
+        work = Path(args.log_dir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        try:
+            runs = run(cfg, work, log=lambda s: print(s, flush=True))
+        except (ServerError, RuntimeError) as exc:
+            print(f"bench_serving: error: {exc}", file=sys.stderr)
+            return 1
+    print()
+    print(format_table(runs))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"config": cfg, "runs": runs}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

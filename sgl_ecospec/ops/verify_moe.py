@@ -1,0 +1,298 @@
+"""The MoE layer of a verify pass: each active expert's weights streamed once.
+
+A verify batch has few tokens (B x verified nodes) spread over many experts, so the layer
+is memory-bound: its time is the bytes of the experts it touches. The Triton path groups
+the (token, expert) pairs by expert and gives each active expert one column of programs
+that read its weight tiles once for all of its tokens; inactive experts' programs exit at
+once. As a by-product it sets the step's routing bitmap (which experts were loaded), the
+quantity EcoSpec's buffer and predictor work with.
+
+Shape legend: T = tokens, H = hidden size, I = expert intermediate size, E = experts,
+K = experts per token, P = T * K (token, expert) pairs, W = ceil(E / 64).
+"""
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from sgl_ecospec.ops.bitmaps import num_words, topk_to_bitmap
+from sgl_ecospec.ops.checks import INDEX_DTYPES, check_shape, check_tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference still works; the Triton path says how to get Triton
+    triton = None
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def verify_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SwiGLU MoE output of a verify batch and the experts it loaded.
+
+    Args:
+        hidden: float16/bfloat16/float32 ``[T, H]``.
+        w13: same dtype, ``[E, 2I, H]``: gate rows ``[:I]`` then up rows ``[I:]`` (the
+            layout of SGLang's fused MoE).
+        w2: same dtype, ``[E, H, I]``: down projection.
+        topk_ids: int32/int64 ``[T, K]``: experts per token, in [0, E).
+        topk_weights: float ``[T, K]``: routing weights.
+        impl: "auto" (Triton for CUDA tensors or under TRITON_INTERPRET=1, else the
+            reference), "triton" or "reference".
+
+    Returns:
+        (output ``[T, H]`` in hidden's dtype, step bitmap int64 ``[W]``: experts with at
+        least one token).
+    """
+    _check(hidden, w13, w2, topk_ids, topk_weights)
+    if impl not in ("auto", "triton", "reference"):
+        raise ValueError(f"impl must be auto, triton or reference, got {impl!r}")
+    if impl == "reference" or (impl == "auto" and not _triton_runs(hidden)):
+        return verify_moe_reference(hidden, w13, w2, topk_ids, topk_weights)
+    if triton is None:
+        raise RuntimeError("impl='triton' needs the triton package (pip install triton)")
+    return _verify_moe_triton(hidden, w13, w2, topk_ids, topk_weights)
+
+
+def _triton_runs(hidden: torch.Tensor) -> bool:
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return triton is not None and (hidden.is_cuda or interpreted)
+
+
+def _check(hidden, w13, w2, topk_ids, topk_weights):
+    check_tensor("hidden", hidden, ndim=2, dtypes=_FLOATS)
+    check_tensor("w13", w13, ndim=3, dtypes=(hidden.dtype,))
+    experts, two_inter, hidden_size = w13.shape
+    if two_inter % 2 or hidden_size != hidden.shape[1]:
+        raise ValueError(
+            f"w13 must be [E, 2I, H] with H = {hidden.shape[1]}, got {tuple(w13.shape)}"
+        )
+    check_tensor("w2", w2, ndim=3, dtypes=(hidden.dtype,))
+    check_shape("w2", w2, (experts, hidden_size, two_inter // 2), "[E, H, I]")
+    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=INDEX_DTYPES)
+    if topk_ids.shape[0] != hidden.shape[0]:
+        raise ValueError(f"topk_ids must be [T, K] with T = {hidden.shape[0]}")
+    check_tensor("topk_weights", topk_weights, ndim=2, dtypes=_FLOATS)
+    check_shape("topk_weights", topk_weights, tuple(topk_ids.shape), "[T, K] like topk_ids")
+
+
+def verify_moe_reference(hidden, w13, w2, topk_ids, topk_weights):
+    """Plain PyTorch version of :func:`verify_moe`: a loop over the active experts."""
+    experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    ids = topk_ids.long()
+    for e in torch.unique(ids).tolist():
+        token, slot = (ids == e).nonzero(as_tuple=True)
+        x = hidden[token].float()
+        gate_up = x @ w13[e].float().t()
+        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        y = act @ w2[e].float().t()
+        out.index_add_(0, token, y * topk_weights[token, slot, None].float())
+    step = topk_to_bitmap(ids.reshape(1, -1), experts, validate=False)[0]
+    return out.to(hidden.dtype), step
+
+
+def _group_by_expert(topk_ids: torch.Tensor, experts: int):
+    """(pairs sorted by expert int64 ``[P]``, start of each expert's run int64 ``[E + 1]``),
+    with tensor ops only (no host sync)."""
+    flat = topk_ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    # bincount would read its maximum back to the host on CUDA (no graph capture).
+    counts = torch.zeros(experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    starts = torch.zeros(experts + 1, dtype=torch.int64, device=flat.device)
+    starts[1:] = torch.cumsum(counts, 0)
+    return order, starts
+
+
+def _verify_moe_triton(hidden, w13, w2, topk_ids, topk_weights, block_m=16, block_n=64, block_k=64):
+    tokens, hidden_size = hidden.shape
+    experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[1]
+    hidden, w13, w2 = hidden.contiguous(), w13.contiguous(), w2.contiguous()
+    pairs, starts = _group_by_expert(topk_ids, experts)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    act = torch.empty((tokens * top_k, inter), dtype=torch.float32, device=hidden.device)
+    per_pair = torch.empty((tokens * top_k, hidden_size), dtype=torch.float32, device=hidden.device)
+    step = torch.zeros(num_words(experts), dtype=torch.int64, device=hidden.device)
+    assert hidden.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
+    _expert_gate_up_kernel[(experts, triton.cdiv(inter, block_n))](
+        hidden,
+        w13,
+        act,
+        pairs,
+        starts,
+        step,
+        hidden_size,
+        inter,
+        top_k,
+        hidden.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        act.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )
+    _expert_down_kernel[(experts, triton.cdiv(hidden_size, block_n))](
+        act,
+        w2,
+        per_pair,
+        pairs,
+        starts,
+        weights,
+        hidden_size,
+        inter,
+        act.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        per_pair.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )
+    # Summing each token's K rows here, not with atomics, keeps the result deterministic.
+    out = per_pair.view(tokens, top_k, hidden_size).sum(1)
+    return out.to(hidden.dtype), step
+
+
+if triton is not None:
+
+    @triton.jit
+    def _expert_gate_up_kernel(
+        # Pointers
+        x_ptr,
+        w13_ptr,
+        act_ptr,
+        pairs_ptr,
+        starts_ptr,
+        step_ptr,
+        # Sizes
+        hidden,
+        inter,
+        top_k,
+        # Strides
+        stride_x_t,
+        stride_w_e,
+        stride_w_n,
+        stride_act_p,
+        # Constants
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """Program (e, n): act[p, n-tile] = silu(x_p . gate) * (x_p . up) for expert e's pairs."""
+        e = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        start = tl.load(starts_ptr + e)
+        end = tl.load(starts_ptr + e + 1)
+        if end > start:
+            if pid_n == 0:
+                bit = tl.full((), 1, tl.int64) << (e % 64).to(tl.int64)
+                tl.atomic_or(step_ptr + e // 64, bit)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < inter
+            for m0 in range(start, end, BLOCK_M):
+                offs_m = m0 + tl.arange(0, BLOCK_M)
+                mask_m = offs_m < end
+                pair = tl.load(pairs_ptr + offs_m, mask=mask_m, other=0)
+                token = pair // top_k
+                acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for k0 in range(0, hidden, BLOCK_K):
+                    offs_k = k0 + tl.arange(0, BLOCK_K)
+                    mask_k = offs_k < hidden
+                    x = tl.load(
+                        x_ptr + token[:, None] * stride_x_t + offs_k[None, :],
+                        mask=mask_m[:, None] & mask_k[None, :],
+                        other=0.0,
+                    )
+                    w_mask = mask_k[:, None] & mask_n[None, :]
+                    w_gate = tl.load(
+                        w13_ptr + e * stride_w_e + offs_n[None, :] * stride_w_n + offs_k[:, None],
+                        mask=w_mask,
+                        other=0.0,
+                    )
+                    w_up = tl.load(
+                        w13_ptr
+                        + e * stride_w_e
+                        + (offs_n[None, :] + inter) * stride_w_n
+                        + offs_k[:, None],
+                        mask=w_mask,
+                        other=0.0,
+                    )
+                    acc_gate = tl.dot(x, w_gate, acc_gate, input_precision="ieee")
+                    acc_up = tl.dot(x, w_up, acc_up, input_precision="ieee")
+                act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+                tl.store(
+                    act_ptr + pair[:, None] * stride_act_p + offs_n[None, :],
+                    act,
+                    mask=mask_m[:, None] & mask_n[None, :],
+                )
+
+    @triton.jit
+    def _expert_down_kernel(
+        # Pointers
+        act_ptr,
+        w2_ptr,
+        out_ptr,
+        pairs_ptr,
+        starts_ptr,
+        weights_ptr,
+        # Sizes
+        hidden,
+        inter,
+        # Strides
+        stride_act_p,
+        stride_w_e,
+        stride_w_h,
+        stride_out_p,
+        # Constants
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """Program (e, h-tile): out[p, h-tile] = weight_p * act_p . down for expert e's pairs."""
+        e = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        start = tl.load(starts_ptr + e)
+        end = tl.load(starts_ptr + e + 1)
+        if end > start:
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < hidden
+            for m0 in range(start, end, BLOCK_M):
+                offs_m = m0 + tl.arange(0, BLOCK_M)
+                mask_m = offs_m < end
+                pair = tl.load(pairs_ptr + offs_m, mask=mask_m, other=0)
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for k0 in range(0, inter, BLOCK_K):
+                    offs_k = k0 + tl.arange(0, BLOCK_K)
+                    mask_k = offs_k < inter
+                    a = tl.load(
+                        act_ptr + pair[:, None] * stride_act_p + offs_k[None, :],
+                        mask=mask_m[:, None] & mask_k[None, :],
+                        other=0.0,
+                    )
+                    w = tl.load(
+                        w2_ptr + e * stride_w_e + offs_n[None, :] * stride_w_h + offs_k[:, None],
+                        mask=mask_k[:, None] & mask_n[None, :],
+                        other=0.0,
+                    )
+                    acc = tl.dot(a, w.to(tl.float32), acc, input_precision="ieee")
+                weight = tl.load(weights_ptr + pair, mask=mask_m, other=0.0)
+                tl.store(
+                    out_ptr + pair[:, None] * stride_out_p + offs_n[None, :],
+                    acc * weight[:, None],
+                    mask=mask_m[:, None] & mask_n[None, :],
+                )

@@ -1,0 +1,162 @@
+"""The one selection step: predict -> bitmaps -> ``select_verify_set`` -> the verify rows'
+predictions. The offline engine (``sgl_ecospec.lab.engine``) and the SGLang plugin
+(``sglang_ecospec.selection``) both call :func:`select_step`; neither repeats it.
+
+A request's tree is laid out root first: row 0 is the root (the last verified token, which
+the verify pass reads anyway), rows 1..N the draft candidates. Selection indices count
+candidates only (0..N-1, -1 padding); :func:`verify_rows` maps them back to tree rows.
+
+Graph safety: no host sync (``validate=False`` on the ops), static shapes, Python numbers
+for every option; the only allocations are the op outputs.
+
+Shape legend: B = requests, N = candidates per request, S = budget (candidates verified per
+request), L = MoE layers, K = experts per token, W = int64 words per layer bitmap,
+H = draft hidden size.
+"""
+
+import dataclasses
+
+import torch
+
+from sgl_ecospec.ops.bitmaps import topk_to_bitmap
+from sgl_ecospec.ops.checks import check_int
+from sgl_ecospec.ops.selection import SelectionOptions, select_verify_set
+from sgl_ecospec.predictors.base import ExpertPredictor
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Per-expert EP rank for the busiest-rank cost: ``expert_rank`` int64 ``[E]`` or
+    ``[L, E]`` on the selection's device (``sgl_ecospec.placement.expert_rank_map``), and
+    R = ``num_ranks``. The plugin refreshes ``expert_rank`` in place (EPLB)."""
+
+    expert_rank: torch.Tensor
+    num_ranks: int
+
+    def __post_init__(self):
+        check_int("num_ranks", self.num_ranks, minimum=1)
+
+
+@dataclasses.dataclass
+class StepSelection:
+    """One step's predictions and verify set.
+
+    Attributes:
+        scores: float ``[B, N]``, parents: int64 ``[B, N]``: the tree selected from.
+        predicted: int ``[B, 1 + N, L, K]``: predicted experts, root first.
+        bitmaps: int64 ``[B, 1 + N, L, W]``: the same as bitmaps (zero for masked requests).
+        selected: int64 ``[B, S]``: chosen candidates, ascending, -1 padding.
+        verify_predicted: int ``[B, 1 + S, L, K]``: the predictions of the verify rows, root
+            then the chosen candidates (padding rows repeat the root), for recall.
+    """
+
+    scores: torch.Tensor
+    parents: torch.Tensor
+    predicted: torch.Tensor
+    bitmaps: torch.Tensor
+    selected: torch.Tensor
+    verify_predicted: torch.Tensor
+
+    def reselect(
+        self,
+        budget: int,
+        options: SelectionOptions,
+        *,
+        placement: Placement | None = None,
+        layer_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Another policy's verify set ``[B, budget]`` on this step's tree and predictions
+        (paired comparisons: the same steps, no second decode)."""
+        return _select(
+            self.scores, self.parents, self.bitmaps, budget, options, placement, layer_weights
+        )
+
+
+def predict_tree(
+    predictor: ExpertPredictor, tokens: torch.Tensor, states: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Predicted experts ``[B, 1 + N, L, K]`` of each request's root and candidates.
+
+    Args:
+        tokens: int64 ``[B, 1 + N]``: root token, then candidate tokens.
+        states: float ``[B, 1 + N, H]``: the draft states behind each row, for predictors
+            that read them (``needs_hidden``); None for the others.
+    """
+    flat_states = None if states is None else states.flatten(0, 1)
+    flat = predictor.predict_topk(tokens.flatten(), flat_states, validate=False)
+    return flat.view(*tokens.shape, *flat.shape[1:])
+
+
+def select_step(
+    predictor: ExpertPredictor,
+    tokens: torch.Tensor,
+    scores: torch.Tensor,
+    parents: torch.Tensor,
+    budget: int,
+    options: SelectionOptions,
+    *,
+    states: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+    placement: Placement | None = None,
+    layer_weights: torch.Tensor | None = None,
+) -> StepSelection:
+    """Predicts every row's experts and picks each request's verify set.
+
+    Args:
+        predictor: the expert predictor (``predict_topk``).
+        tokens: int64 ``[B, 1 + N]``: each request's root token, then its candidates.
+        scores: float ``[B, N]``: cumulative draft probabilities of the candidates.
+        parents: int ``[B, N]``: each candidate's parent candidate, -1 for the root.
+        budget: S, candidates to verify per request ("adaptive" may take fewer).
+        options: the policy and its numbers.
+        states: float ``[B, 1 + N, H]`` or None: draft states, for predictors that read them.
+        valid: bool ``[B]`` or None (all): requests whose predictions count; the others get
+            empty bitmaps (e.g. padded rows of a CUDA-graph replay, roots not yet known).
+        placement: the EP placement, or None (every expert priced alike).
+        layer_weights: float ``[L]`` or None: each MoE layer's weight in DeltaCost.
+    """
+    predicted = predict_tree(predictor, tokens, states)
+    bitmaps = topk_to_bitmap(predicted, predictor.num_experts, validate=False)
+    if valid is not None:
+        bitmaps = bitmaps * valid.long()[:, None, None, None]
+    selected = _select(scores, parents, bitmaps, budget, options, placement, layer_weights)
+    rows = verify_rows(selected)
+    verify_predicted = predicted[_batch_index(rows), rows]
+    return StepSelection(scores, parents, predicted, bitmaps, selected, verify_predicted)
+
+
+def verify_rows(selected: torch.Tensor) -> torch.Tensor:
+    """int64 ``[B, 1 + S]``: the tree rows of each request's root and selected candidates
+    (``selected [B, S]``, -1 padding) in the root-first ``[B, 1 + N]`` layout; padding maps
+    to row 0, the root."""
+    return torch.cat([torch.zeros_like(selected[:, :1]), 1 + selected], 1)
+
+
+def _batch_index(index: torch.Tensor) -> torch.Tensor:
+    """Row numbers ``[B, 1]`` to pair with a ``[B, M]`` index in advanced indexing."""
+    return torch.arange(index.shape[0], device=index.device)[:, None]
+
+
+def _select(scores, parents, bitmaps, budget, options, placement, layer_weights=None):
+    ep = {}
+    if placement is not None:
+        ep = {
+            "expert_rank": placement.expert_rank,
+            "num_ranks": placement.num_ranks,
+            "total_weight": options.total_weight,
+        }
+    return select_verify_set(
+        scores,
+        parents,
+        bitmaps[:, 1:],
+        budget,
+        root_experts=bitmaps[:, 0],
+        policy=options.policy,
+        eps=options.eps,
+        share_buffer=options.share_buffer,
+        layer_weights=layer_weights,
+        step_tokens=options.step_tokens,
+        step_cost=options.step_cost,
+        validate=False,
+        **ep,
+    )
