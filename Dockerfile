@@ -5,7 +5,7 @@
 # sgl_ecospec._C with its CUDA kernels (SGL_ECOSPEC_CUDA=1 makes a missing toolkit an error;
 # setup.py compiles them for sm_90, H100/H200), installs the package and its SGLang plugin
 # entry point into the image's python3, and checks that the plugin registers ECOSPEC. CI runs
-# the same script outside Docker (test/test_deploy.py); the image itself is not built in CI.
+# the same script outside Docker (test/deploy/test_deploy.py); the image itself is not built in CI.
 FROM lmsysorg/sglang:v0.5.23
 
 LABEL org.opencontainers.image.title="sgl-ecospec" \

@@ -1,6 +1,8 @@
+// CPU kernels of the bitmap ops; arguments are checked by checks.h, like on every backend.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "checks.h"
 #include "ecospec_ops.h"
 
 namespace sgl_ecospec {
@@ -16,11 +18,11 @@ void pack_rows(const index_t* ids, int64_t* out, int64_t rows, int64_t k, int64_
       uint64_t* row_out = reinterpret_cast<uint64_t*>(out + r * words);
       for (int64_t w = 0; w < words; ++w) row_out[w] = 0;
       const index_t* row_ids = ids + r * k;
+      // Like the CUDA kernel, an id outside [0, E) sets no bit: no launcher reads values
+      // to reject them (checks.h); topk_to_bitmap(validate=True) does.
       for (int64_t j = 0; j < k; ++j) {
         const int64_t e = static_cast<int64_t>(row_ids[j]);
-        TORCH_CHECK(e >= 0 && e < num_experts, "topk_to_bitmap: expert id ", e,
-                    " is outside [0, ", num_experts, ")");
-        row_out[e / kWordBits] |= uint64_t{1} << (e % kWordBits);
+        if (e >= 0 && e < num_experts) row_out[e / kWordBits] |= uint64_t{1} << (e % kWordBits);
       }
     }
   });
@@ -28,14 +30,9 @@ void pack_rows(const index_t* ids, int64_t* out, int64_t rows, int64_t k, int64_
 }  // namespace
 
 at::Tensor topk_to_bitmap_cpu(const at::Tensor& topk_ids, int64_t num_experts) {
-  TORCH_CHECK(topk_ids.dim() >= 2, "topk_to_bitmap: topk_ids must be [..., L, K], got ",
-              topk_ids.sizes());
-  TORCH_CHECK(topk_ids.scalar_type() == at::kInt || topk_ids.scalar_type() == at::kLong,
-              "topk_to_bitmap: topk_ids must be int32 or int64, got ", topk_ids.scalar_type());
-  TORCH_CHECK(num_experts >= 1, "topk_to_bitmap: num_experts must be >= 1");
+  const int64_t words = check_topk_to_bitmap_args(topk_ids, num_experts);
   const at::Tensor ids = topk_ids.contiguous();
   const int64_t k = ids.size(-1);
-  const int64_t words = (num_experts + kWordBits - 1) / kWordBits;
   auto out_shape = ids.sizes().vec();
   out_shape.back() = words;
   at::Tensor out = at::empty(out_shape, ids.options().dtype(at::kLong));
@@ -49,8 +46,7 @@ at::Tensor topk_to_bitmap_cpu(const at::Tensor& topk_ids, int64_t num_experts) {
 }
 
 at::Tensor bitmap_popcount_cpu(const at::Tensor& bitmaps) {
-  TORCH_CHECK(bitmaps.dim() >= 1, "bitmap_popcount: bitmaps must be [..., W]");
-  TORCH_CHECK(bitmaps.scalar_type() == at::kLong, "bitmap_popcount: bitmaps must be int64");
+  check_bitmap_popcount_args(bitmaps);
   const at::Tensor bm = bitmaps.contiguous();
   const int64_t words = bm.size(-1);
   auto out_shape = bm.sizes().vec();

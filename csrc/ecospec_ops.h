@@ -1,4 +1,6 @@
-// CPU implementations of the sgl_ecospec ops; schemas are declared in ops.cpp.
+// The sgl_ecospec ops: their schemas and the C++ signature of every launcher, written
+// once. ops.cpp registers the schemas; selection.cpp / bitmaps.cpp (CPU), ops_cuda.cu (CUDA)
+// and meta.cpp (Meta: shapes only, for tracing) define kernels with the signatures below.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -6,24 +8,48 @@
 #include <optional>
 #include <string>
 
+// Schemas (torch.ops.sgl_ecospec.*); semantics in sgl_ecospec/ops/{bitmaps,selection}.py.
+#define SGL_ECOSPEC_TOPK_TO_BITMAP_SCHEMA "topk_to_bitmap(Tensor topk_ids, int num_experts) -> Tensor"
+#define SGL_ECOSPEC_BITMAP_POPCOUNT_SCHEMA "bitmap_popcount(Tensor bitmaps) -> Tensor"
+#define SGL_ECOSPEC_SELECT_VERIFY_SET_SCHEMA                                      \
+  "select_verify_set(Tensor scores, Tensor parents, Tensor node_experts, int budget, " \
+  "Tensor? root_experts, str policy, float eps, bool share_buffer, "              \
+  "Tensor? layer_weights, Tensor? expert_rank=None, int num_ranks=1, "            \
+  "float total_weight=0.0, float step_tokens=1.0, float step_cost=1.0) -> Tensor"
+
+// The C++ parameter list matching SGL_ECOSPEC_SELECT_VERIFY_SET_SCHEMA, shared by every
+// launcher and by check_select_verify_set_args (checks.h), so that adding an argument is
+// one edit here plus one in the schema; SGL_ECOSPEC_SELECT_VERIFY_SET_ARGS forwards them.
+#define SGL_ECOSPEC_SELECT_VERIFY_SET_PARAMS                                                  \
+  const at::Tensor &scores, const at::Tensor &parents, const at::Tensor &node_experts,       \
+      int64_t budget, const std::optional<at::Tensor> &root_experts, const std::string &policy, \
+      double eps, bool share_buffer, const std::optional<at::Tensor> &layer_weights,          \
+      const std::optional<at::Tensor> &expert_rank, int64_t num_ranks, double total_weight,   \
+      double step_tokens, double step_cost
+#define SGL_ECOSPEC_SELECT_VERIFY_SET_ARGS                                                  \
+  scores, parents, node_experts, budget, root_experts, policy, eps, share_buffer,          \
+      layer_weights, expert_rank, num_ranks, total_weight, step_tokens, step_cost
+
+// Declares <op>_<backend> for each op. topk_to_bitmap: topk_ids int32/int64 [..., L, K] ->
+// int64 [..., L, ceil(E / 64)]. bitmap_popcount: int64 [..., W] -> int64 [...].
+// select_verify_set: scores float [B, N], parents int [B, N], node_experts int64
+// [B, N, L, W], root_experts int64 [B, L, W] or none, layer_weights float [L] or none,
+// expert_rank int32/int64 [E] or [L, E] or none -> int64 [B, budget].
+#define SGL_ECOSPEC_DECLARE_OPS(backend)                                            \
+  at::Tensor topk_to_bitmap_##backend(const at::Tensor& topk_ids, int64_t num_experts); \
+  at::Tensor bitmap_popcount_##backend(const at::Tensor& bitmaps);                  \
+  at::Tensor select_verify_set_##backend(SGL_ECOSPEC_SELECT_VERIFY_SET_PARAMS);
+
+// Registers the kernels declared by SGL_ECOSPEC_DECLARE_OPS(backend) under `m`.
+#define SGL_ECOSPEC_REGISTER_OPS(m, backend)                                 \
+  m.impl("topk_to_bitmap", &sgl_ecospec::topk_to_bitmap_##backend);       \
+  m.impl("bitmap_popcount", &sgl_ecospec::bitmap_popcount_##backend);     \
+  m.impl("select_verify_set", &sgl_ecospec::select_verify_set_##backend)
+
 namespace sgl_ecospec {
 
-// topk_ids int32/int64 [..., L, K] -> int64 [..., L, ceil(E / 64)].
-at::Tensor topk_to_bitmap_cpu(const at::Tensor& topk_ids, int64_t num_experts);
-
-// bitmaps int64 [..., W] -> int64 [...], set bits per row.
-at::Tensor bitmap_popcount_cpu(const at::Tensor& bitmaps);
-
-// scores float [B, N], parents int [B, N], node_experts int64 [B, N, L, W],
-// root_experts int64 [B, L, W] or none, layer_weights float [L] or none,
-// expert_rank int32/int64 [E] or [L, E] or none -> int64 [B, budget];
-// semantics in sgl_ecospec/ops/selection.py.
-at::Tensor select_verify_set_cpu(const at::Tensor& scores, const at::Tensor& parents,
-                                 const at::Tensor& node_experts, int64_t budget,
-                                 const std::optional<at::Tensor>& root_experts,
-                                 const std::string& policy, double eps, bool share_buffer,
-                                 const std::optional<at::Tensor>& layer_weights,
-                                 const std::optional<at::Tensor>& expert_rank, int64_t num_ranks,
-                                 double total_weight, double step_tokens, double step_cost);
+SGL_ECOSPEC_DECLARE_OPS(cpu)
+SGL_ECOSPEC_DECLARE_OPS(meta)
+SGL_ECOSPEC_DECLARE_OPS(cuda)  // defined only in CUDA builds (ops_cuda.cu)
 
 }  // namespace sgl_ecospec

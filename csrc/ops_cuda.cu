@@ -1,15 +1,17 @@
-// CUDA kernels of the sgl_ecospec ops, registered for the same schemas as the CPU ops.
-// No host syncs and no allocation beyond the outputs and scratch tensors, so the ops can
-// be captured in a CUDA graph. Value checks (ids in range, parents in range, no NaN, EP
-// ranks in range) are the Python API's job: here an out-of-range id sets no bit, an
-// out-of-range parent makes its node unreachable and an expert with an out-of-range rank
-// adds no load.
+// CUDA kernels of the sgl_ecospec ops, registered for the same schemas as the CPU ops and
+// behind the same argument checks (checks.h). No host syncs and no allocation beyond the
+// outputs and scratch tensors, so the ops can be captured in a CUDA graph. Value checks
+// (ids in range, parents in range, no NaN, EP ranks in range) are the Python API's job, on
+// every backend: here, as on the CPU, an out-of-range id sets no bit, an out-of-range parent
+// makes its node unreachable and an expert with an out-of-range rank adds no load.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "checks.h"
+#include "ecospec_ops.h"
 #include "selection_core.h"
 
 namespace sgl_ecospec {
@@ -233,11 +235,10 @@ int64_t blocks_for(int64_t rows) { return std::max<int64_t>(1, (rows + kThreads 
 }  // namespace
 
 at::Tensor topk_to_bitmap_cuda(const at::Tensor& topk_ids, int64_t num_experts) {
-  TORCH_CHECK(topk_ids.dim() >= 2, "topk_to_bitmap: topk_ids must be [..., L, K]");
-  TORCH_CHECK(num_experts >= 1, "topk_to_bitmap: num_experts must be >= 1");
+  const int64_t words = check_topk_to_bitmap_args(topk_ids, num_experts);
   const c10::cuda::CUDAGuard guard(topk_ids.device());
   const at::Tensor ids = topk_ids.contiguous();
-  const int64_t k = ids.size(-1), words = (num_experts + kBitsPerWord - 1) / kBitsPerWord;
+  const int64_t k = ids.size(-1);
   auto shape = ids.sizes().vec();
   shape.back() = words;
   at::Tensor out = at::empty(shape, ids.options().dtype(at::kLong));
@@ -248,7 +249,6 @@ at::Tensor topk_to_bitmap_cuda(const at::Tensor& topk_ids, int64_t num_experts) 
     topk_to_bitmap_kernel<<<blocks_for(rows), kThreads, 0, stream>>>(
         ids.data_ptr<int32_t>(), out.data_ptr<int64_t>(), rows, k, words, num_experts);
   } else {
-    TORCH_CHECK(ids.scalar_type() == at::kLong, "topk_to_bitmap: ids must be int32 or int64");
     topk_to_bitmap_kernel<<<blocks_for(rows), kThreads, 0, stream>>>(
         ids.data_ptr<int64_t>(), out.data_ptr<int64_t>(), rows, k, words, num_experts);
   }
@@ -257,8 +257,7 @@ at::Tensor topk_to_bitmap_cuda(const at::Tensor& topk_ids, int64_t num_experts) 
 }
 
 at::Tensor bitmap_popcount_cuda(const at::Tensor& bitmaps) {
-  TORCH_CHECK(bitmaps.dim() >= 1 && bitmaps.scalar_type() == at::kLong,
-              "bitmap_popcount: bitmaps must be int64 [..., W]");
+  check_bitmap_popcount_args(bitmaps);
   const c10::cuda::CUDAGuard guard(bitmaps.device());
   const at::Tensor bm = bitmaps.contiguous();
   auto shape = bm.sizes().vec();
@@ -274,59 +273,23 @@ at::Tensor bitmap_popcount_cuda(const at::Tensor& bitmaps) {
   return out;
 }
 
-at::Tensor select_verify_set_cuda(const at::Tensor& scores, const at::Tensor& parents,
-                                  const at::Tensor& node_experts, int64_t budget,
-                                  const std::optional<at::Tensor>& root_experts,
-                                  const std::string& policy, double eps, bool share_buffer,
-                                  const std::optional<at::Tensor>& layer_weights,
-                                  const std::optional<at::Tensor>& expert_rank, int64_t num_ranks,
-                                  double total_weight, double step_tokens, double step_cost) {
-  TORCH_CHECK(scores.dim() == 2 && parents.sizes() == scores.sizes(),
-              "select_verify_set: scores and parents must be [B, N]");
-  TORCH_CHECK(node_experts.dim() == 4 && node_experts.scalar_type() == at::kLong &&
-                  node_experts.size(0) == scores.size(0) && node_experts.size(1) == scores.size(1),
-              "select_verify_set: node_experts must be int64 [B, N, L, W]");
-  TORCH_CHECK(budget >= 0 && eps > 0, "select_verify_set: need budget >= 0 and eps > 0");
-  TORCH_CHECK(policy == "confidence" || policy == "ecospec" || policy == "adaptive",
-              "select_verify_set: unknown policy ", policy);
-  TORCH_CHECK(step_tokens >= 0 && step_cost > 0,
-              "select_verify_set: need step_tokens >= 0 and step_cost > 0");
+at::Tensor select_verify_set_cuda(SGL_ECOSPEC_SELECT_VERIFY_SET_PARAMS) {
+  const SelectSizes sizes = check_select_verify_set_args(SGL_ECOSPEC_SELECT_VERIFY_SET_ARGS);
   const c10::cuda::CUDAGuard guard(scores.device());
-  const int64_t batch = scores.size(0), n = scores.size(1);
-  const int64_t layers = node_experts.size(2), words = node_experts.size(3);
+  const int64_t batch = sizes.batch, n = sizes.num_nodes;
+  const int64_t layers = sizes.layers, words = sizes.words;
+  // A limit of this kernel, not of the op: the buffer's bitmaps live in shared memory.
   const int64_t smem = layers * words * static_cast<int64_t>(sizeof(uint64_t));
-  TORCH_CHECK(smem <= 48 * 1024, "select_verify_set: L * W = ", layers * words,
-              " words exceed the 48 KiB shared-memory buffer of the CUDA op");
+  TORCH_CHECK_VALUE(smem <= 48 * 1024, "select_verify_set: L * W = ", layers * words,
+                    " words exceed the 48 KiB shared-memory buffer of the CUDA op");
 
   const at::Tensor prob = scores.to(at::kDouble).contiguous();
   const at::Tensor par = parents.to(at::kLong).contiguous();
   const at::Tensor experts = node_experts.contiguous();
   at::Tensor roots, weights, ranks;
-  if (root_experts.has_value()) {
-    TORCH_CHECK(root_experts->dim() == 3 && root_experts->size(0) == batch &&
-                    root_experts->size(1) == layers && root_experts->size(2) == words,
-                "select_verify_set: root_experts must be int64 [B, L, W]");
-    roots = root_experts->to(at::kLong).contiguous();
-  }
-  if (layer_weights.has_value()) {
-    TORCH_CHECK(layer_weights->dim() == 1 && layer_weights->size(0) == layers,
-                "select_verify_set: layer_weights must be [L]");
-    weights = layer_weights->to(at::kDouble).contiguous();
-  }
-  Placement placement{false, nullptr, 0, 0, 1, 0.0};
-  if (expert_rank.has_value()) {
-    TORCH_CHECK(expert_rank->dim() == 1 || (expert_rank->dim() == 2 && expert_rank->size(0) == layers),
-                "select_verify_set: expert_rank must be [E] or [L, E]");
-    const int64_t num_experts = expert_rank->size(-1);
-    TORCH_CHECK((num_experts + kBitsPerWord - 1) / kBitsPerWord == words,
-                "select_verify_set: expert_rank has E = ", num_experts,
-                " experts, so node_experts needs ceil(E / 64) words per layer, got ", words);
-    TORCH_CHECK(num_ranks >= 1 && total_weight >= 0 && total_weight <= 1,
-                "select_verify_set: need num_ranks >= 1 and total_weight in [0, 1]");
-    ranks = expert_rank->to(at::kLong).contiguous();
-    placement = Placement{true, ranks.data_ptr<int64_t>(), ranks.dim() == 2 ? num_experts : 0,
-                          num_experts, num_ranks, total_weight};
-  }
+  if (root_experts.has_value()) roots = root_experts->contiguous();
+  if (layer_weights.has_value()) weights = layer_weights->to(at::kDouble).contiguous();
+  const Placement placement = make_placement(expert_rank, sizes, num_ranks, total_weight, ranks);
   at::Tensor out = at::empty({batch, budget}, par.options());
   if (batch == 0) return out;
   at::Tensor selected = at::empty({batch, std::max<int64_t>(n, 1)}, par.options().dtype(at::kByte));
@@ -351,9 +314,7 @@ at::Tensor select_verify_set_cuda(const at::Tensor& scores, const at::Tensor& pa
                   layers,
                   words,
                   budget,
-                  policy == "confidence" ? Policy::kConfidence
-                  : policy == "ecospec"  ? Policy::kEcoSpec
-                                         : Policy::kAdaptive,
+                  sizes.policy,
                   eps,
                   placement,
                   step_tokens,
@@ -370,8 +331,4 @@ at::Tensor select_verify_set_cuda(const at::Tensor& scores, const at::Tensor& pa
 
 }  // namespace sgl_ecospec
 
-TORCH_LIBRARY_IMPL(sgl_ecospec, CUDA, m) {
-  m.impl("topk_to_bitmap", &sgl_ecospec::topk_to_bitmap_cuda);
-  m.impl("bitmap_popcount", &sgl_ecospec::bitmap_popcount_cuda);
-  m.impl("select_verify_set", &sgl_ecospec::select_verify_set_cuda);
-}
+TORCH_LIBRARY_IMPL(sgl_ecospec, CUDA, m) { SGL_ECOSPEC_REGISTER_OPS(m, cuda); }

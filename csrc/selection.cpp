@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "checks.h"
 #include "ecospec_ops.h"
 #include "selection_core.h"
 
@@ -130,78 +131,26 @@ struct BufferStorage {
   Buffer view() { return Buffer{experts.data(), loads.data(), peaks.data()}; }
 };
 
-Placement make_placement(const std::optional<at::Tensor>& expert_rank, at::Tensor& storage,
-                         int64_t layers, int64_t words, int64_t num_ranks, double total_weight) {
-  if (!expert_rank.has_value()) return Placement{false, nullptr, 0, 0, 1, 0.0};
-  TORCH_CHECK(expert_rank->dim() == 1 || (expert_rank->dim() == 2 && expert_rank->size(0) == layers),
-              "select_verify_set: expert_rank must be [E] or [L, E]");
-  TORCH_CHECK(expert_rank->scalar_type() == at::kInt || expert_rank->scalar_type() == at::kLong,
-              "select_verify_set: expert_rank must be int32 or int64");
-  const int64_t num_experts = expert_rank->size(-1);
-  TORCH_CHECK((num_experts + kBitsPerWord - 1) / kBitsPerWord == words,
-              "select_verify_set: expert_rank has E = ", num_experts,
-              " experts, so node_experts needs ceil(E / 64) words per layer, got ", words);
-  TORCH_CHECK(num_ranks >= 1, "select_verify_set: num_ranks must be >= 1");
-  TORCH_CHECK(total_weight >= 0 && total_weight <= 1,
-              "select_verify_set: total_weight must lie in [0, 1]");
-  storage = expert_rank->to(at::kLong).contiguous();
-  TORCH_CHECK(storage.numel() == 0 || (storage.min().item<int64_t>() >= 0 &&
-                                       storage.max().item<int64_t>() < num_ranks),
-              "select_verify_set: expert_rank values must lie in [0, num_ranks)");
-  return Placement{true, storage.data_ptr<int64_t>(), storage.dim() == 2 ? num_experts : 0,
-                   num_experts, num_ranks, total_weight};
-}
-
 }  // namespace
 
-at::Tensor select_verify_set_cpu(const at::Tensor& scores, const at::Tensor& parents,
-                                 const at::Tensor& node_experts, int64_t budget,
-                                 const std::optional<at::Tensor>& root_experts,
-                                 const std::string& policy, double eps, bool share_buffer,
-                                 const std::optional<at::Tensor>& layer_weights,
-                                 const std::optional<at::Tensor>& expert_rank, int64_t num_ranks,
-                                 double total_weight, double step_tokens, double step_cost) {
-  TORCH_CHECK(scores.dim() == 2, "select_verify_set: scores must be [B, N]");
-  const int64_t batch = scores.size(0), n = scores.size(1);
-  TORCH_CHECK(parents.sizes() == scores.sizes(), "select_verify_set: parents must be [B, N]");
-  TORCH_CHECK(node_experts.dim() == 4 && node_experts.size(0) == batch &&
-                  node_experts.size(1) == n && node_experts.scalar_type() == at::kLong,
-              "select_verify_set: node_experts must be int64 [B, N, L, W]");
-  TORCH_CHECK(budget >= 0, "select_verify_set: budget must be >= 0");
-  TORCH_CHECK(policy == "confidence" || policy == "ecospec" || policy == "adaptive",
-              "select_verify_set: unknown policy ", policy);
-  TORCH_CHECK(eps > 0, "select_verify_set: eps must be > 0");
-  TORCH_CHECK(step_tokens >= 0 && step_cost > 0,
-              "select_verify_set: need step_tokens >= 0 and step_cost > 0");
-  const int64_t layers = node_experts.size(2), words = node_experts.size(3);
+at::Tensor select_verify_set_cpu(SGL_ECOSPEC_SELECT_VERIFY_SET_PARAMS) {
+  // The checks every launcher shares (checks.h). Like the CUDA launcher, this one reads
+  // no values: out-of-range parents and EP ranks are handled by selection_core.h's rules.
+  const SelectSizes sizes = check_select_verify_set_args(SGL_ECOSPEC_SELECT_VERIFY_SET_ARGS);
+  const int64_t batch = sizes.batch, n = sizes.num_nodes;
+  const int64_t layers = sizes.layers, words = sizes.words;
   const int64_t lw = layers * words;
 
   const at::Tensor prob = scores.to(at::kDouble).contiguous();
   const at::Tensor par = parents.to(at::kLong).contiguous();
   const at::Tensor experts = node_experts.contiguous();
-  TORCH_CHECK(par.numel() == 0 || (par.min().item<int64_t>() >= -1 && par.max().item<int64_t>() < n),
-              "select_verify_set: parents must lie in [-1, N)");
   at::Tensor weights;
-  if (layer_weights.has_value()) {
-    TORCH_CHECK(layer_weights->dim() == 1 && layer_weights->size(0) == layers,
-                "select_verify_set: layer_weights must be [L]");
-    weights = layer_weights->to(at::kDouble).contiguous();
-  }
+  if (layer_weights.has_value()) weights = layer_weights->to(at::kDouble).contiguous();
   at::Tensor roots = at::zeros({batch, layers, words}, experts.options());
-  if (root_experts.has_value()) {
-    TORCH_CHECK(root_experts->dim() == 3 && root_experts->size(0) == batch &&
-                    root_experts->size(1) == layers && root_experts->size(2) == words &&
-                    root_experts->scalar_type() == at::kLong,
-                "select_verify_set: root_experts must be int64 [B, L, W]");
-    roots.copy_(*root_experts);
-  }
+  if (root_experts.has_value()) roots.copy_(*root_experts);
   at::Tensor ranks;
-  const Placement placement =
-      make_placement(expert_rank, ranks, layers, words, num_ranks, total_weight);
+  const Placement placement = make_placement(expert_rank, sizes, num_ranks, total_weight, ranks);
 
-  const Policy kind = policy == "confidence" ? Policy::kConfidence
-                      : policy == "ecospec"  ? Policy::kEcoSpec
-                                             : Policy::kAdaptive;
   const Tree tree{prob.data_ptr<double>(),
                   par.data_ptr<int64_t>(),
                   reinterpret_cast<const uint64_t*>(experts.data_ptr<int64_t>()),
@@ -209,7 +158,7 @@ at::Tensor select_verify_set_cpu(const at::Tensor& scores, const at::Tensor& par
                   n,
                   layers,
                   words,
-                  kind,
+                  sizes.policy,
                   eps,
                   placement};
   at::Tensor out = at::empty({batch, budget}, par.options());

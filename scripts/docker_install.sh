@@ -4,7 +4,7 @@
 # environment's sglang, torch and CUDA toolkit: no dependency is installed or upgraded.
 #
 # The Dockerfile runs it inside lmsysorg/sglang (system python3, SGL_ECOSPEC_CUDA=1: CUDA
-# kernels are required). test/test_deploy.py runs the same steps outside Docker on a copy of
+# kernels are required). test/deploy/test_deploy.py runs the same steps outside Docker on a copy of
 # the build context, CPU-only and with --target, so CI executes every step of the image build.
 #
 # Usage: bash scripts/docker_install.sh [--target DIR]

@@ -14,8 +14,8 @@ echo "[gpu_check] building sgl_ecospec._C with CUDA (sm_90)"
 SGL_ECOSPEC_CUDA=1 python3 setup.py -q build_ext --inplace 2>&1 | tail -5
 
 echo "[gpu_check] GPU tests against the references"
-python3 -m pytest -q -p no:cacheprovider -x test/test_cuda_ops.py test/test_verify_moe.py \
-  test/test_bitmaps.py test/test_selection.py -k "not organize_draft_results" 2>&1 | tee "$out/tests.txt" | tail -5
+python3 -m pytest -q -p no:cacheprovider -x test/ops/test_cuda_ops.py test/ops/test_verify_moe.py \
+  test/ops/test_bitmaps.py test/ops/test_selection.py -k "not organize_draft_results" 2>&1 | tee "$out/tests.txt" | tail -5
 
 echo "[gpu_check] timings"
 python3 scripts/gpu_bench.py --out "$out"

@@ -14,8 +14,10 @@
 #     CPU ops, the tree-mask fix and PyTorch versions of the triton backend's attention
 #     kernels (with them interpreted, speculative decoding was 10-20x slower) in every
 #     server process, only because the device is the CPU and no GPU is present.
-# Speculative decoding on the CPU needs `--attention-backend triton`; pass small
-# --max-total-tokens and --mem-fraction-static values (the CPU "memory pool" is host RAM).
+# Speculative decoding on the CPU needs `--attention-backend triton`: added when a
+# --speculative-algorithm is given without an --attention-backend, refused with another one.
+# Pass small --max-total-tokens and --mem-fraction-static values (the CPU "memory pool" is
+# host RAM).
 # Threads: ECOSPEC_CPU_THREADS (default 1) OpenMP threads per server process.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -25,6 +27,29 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   echo "[launch_cpu] error: this machine has an NVIDIA GPU; the CPU development mode is for" \
     "machines without one. Run: python -m sglang.launch_server ARGS..." >&2
   exit 2
+fi
+# SGLang's CPU default, torch_native, stops a speculative server deep in its startup ("EAGLE
+# is not supported in decode attention backend torch_native"): decide here, before any build.
+spec_algo='' attn_backend=''
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+  case ${args[i]} in
+    --speculative-algorithm) spec_algo=${args[i + 1]:-} ;;
+    --speculative-algorithm=*) spec_algo=${args[i]#*=} ;;
+    --attention-backend) attn_backend=${args[i + 1]:-} ;;
+    --attention-backend=*) attn_backend=${args[i]#*=} ;;
+  esac
+done
+if [ -n "$spec_algo" ]; then
+  if [ -z "$attn_backend" ]; then
+    echo "[launch_cpu] adding --attention-backend triton: speculative decoding ($spec_algo)" \
+      "on the CPU runs only on it (the default, torch_native, has no EAGLE support)" >&2
+    set -- "$@" --attention-backend triton
+  elif [ "$attn_backend" != triton ]; then
+    echo "[launch_cpu] error: speculative decoding ($spec_algo) on the CPU runs only on the" \
+      "triton attention backend, not $attn_backend: pass --attention-backend triton" >&2
+    exit 2
+  fi
 fi
 [ -x "$venv/bin/python" ] || {
   echo "[launch_cpu] error: no Python environment at $venv (run bash scripts/setup_env.sh)" >&2

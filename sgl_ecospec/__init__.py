@@ -5,22 +5,12 @@ or the lab): ``ops`` (expert bitmaps, verify-set selection), ``predictors`` (exp
 predictors), ``costmodel`` (MoESD), ``placement`` (EP ranks) and ``step`` (the one
 selection step the offline engine and the SGLang plugin share). ``sgl_ecospec.lab`` holds
 the offline tools built on it. docs/structures.md maps every module.
+
+The public ops are re-exported here: ``select_verify_set``, ``topk_to_bitmap``,
+``bitmap_popcount``, ``num_words``, ``POLICIES``, ``DEFAULT_EPS`` and ``has_native``.
 """
 
-from sgl_ecospec.ops import (
-    POLICIES,
-    bitmap_popcount,
-    has_native,
-    num_words,
-    select_verify_set,
-    topk_to_bitmap,
-)
+from sgl_ecospec import ops
+from sgl_ecospec.ops import *  # noqa: F403 (the ops are the package's public API)
 
-__all__ = [
-    "POLICIES",
-    "bitmap_popcount",
-    "has_native",
-    "num_words",
-    "select_verify_set",
-    "topk_to_bitmap",
-]
+__all__ = list(ops.__all__)

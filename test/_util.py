@@ -1,6 +1,7 @@
 """Helpers shared by the tests."""
 
 import pytest
+import torch
 
 from sgl_ecospec import has_native
 
@@ -12,20 +13,21 @@ IMPLS = [
 ]
 
 
-def compared_under_interpreter(module: str) -> int:
-    """Runs ``test/<module>.py``'s ``compare_with_triton()`` in a fresh interpreter with
-    ``TRITON_INTERPRET=1`` (it must be set before triton is imported) and returns how many
-    cases it compared; fails the test with the child's stderr when it raises."""
+def compared_under_interpreter(test_file: str) -> int:
+    """Runs the test module ``test_file``'s ``compare_with_triton()`` in a fresh interpreter
+    with ``TRITON_INTERPRET=1`` (it must be set before triton is imported) and returns how
+    many cases it compared; fails the test with the child's stderr when it raises."""
     import os
     import subprocess
     import sys
     import textwrap
 
+    folder, module = os.path.split(os.path.splitext(os.path.abspath(test_file))[0])
     script = textwrap.dedent(
         f"""
         import sys, torch
         torch.set_num_threads(1)
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        sys.path[:0] = [{folder!r}, {os.path.dirname(os.path.abspath(__file__))!r}]
         import {module}
         print("compared", {module}.compare_with_triton())
         """
@@ -38,3 +40,24 @@ def compared_under_interpreter(module: str) -> int:
     label, count = result.stdout.split()[-2:]
     assert label == "compared", result.stdout[-2000:]
     return int(count)
+
+
+def clone_args(args, kwargs, contiguous_only=False):
+    """Copies of the tensors among ``args`` and ``kwargs`` (only the contiguous ones with
+    ``contiguous_only``: views into a shared buffer stay shared); other values as they are."""
+
+    def copy(x):
+        if isinstance(x, torch.Tensor) and (x.is_contiguous() or not contiguous_only):
+            return x.clone()
+        return x
+
+    return [copy(a) for a in args], {k: copy(v) for k, v in kwargs.items()}
+
+
+def run_both(theirs, ours, args, kwargs, contiguous_only=False):
+    """Runs ``theirs(*args, **kwargs)`` and ``ours`` on copies (:func:`clone_args`) of the same
+    inputs, for kernels that write their outputs in place; returns ours' arguments."""
+    ours_args, ours_kwargs = clone_args(args, kwargs, contiguous_only)
+    theirs(*args, **kwargs)
+    ours(*ours_args, **ours_kwargs)
+    return ours_args, ours_kwargs

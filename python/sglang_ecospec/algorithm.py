@@ -6,12 +6,13 @@ process. :class:`EcoSpecAlgo` answers SGLang's ``is_*()`` / ``supports_*()`` que
 EAGLE3 does (``is_eagle3()`` is True: aux hidden-state capture, the draft's vocabulary map,
 the V2 worker path), and :class:`EcoSpecWorker` is SGLang's ``EAGLEWorkerV2`` plus:
 
-- at start: the EcoSpec runtime (settings, expert predictor: online, or a trained head,
-  selector, routing capture) sized to the memory pool, and the hooks
-  (``organize_draft_results``, ``select_top_k_tokens``, ``capture_routed_experts_if_allowed``)
-  installed in this process; under expert
-  parallelism the expert -> EP rank placement from SGLang's expert location metadata (and
-  the EPLB refresh hook), with ``eps=auto`` the cost model's eps table;
+- at start: the EcoSpec runtime (:class:`sglang_ecospec.runtime.EcoSpecRuntime`: settings,
+  expert predictor: online, or a trained head, selector, routing capture) sized to the
+  memory pool, and the hooks (``organize_draft_results``, ``select_top_k_tokens``,
+  ``capture_routed_experts_if_allowed``; :mod:`sglang_ecospec.hooks`) active in this
+  process; under expert parallelism the expert -> EP rank placement from SGLang's expert
+  location metadata (and the EPLB refresh hook), with ``eps=auto`` the cost model's eps
+  table;
 - before each decode step: the batch's bonus tokens copied into the selector (seeds of the
   expert buffer);
 - after each verify: the verify tokens' captured routing feeds the statistics and the
@@ -142,177 +143,6 @@ def worker_class():
     return _worker_class
 
 
-class EcoSpecRuntime:
-    """Everything ECOSPEC adds to one scheduler process, built once the pool size is known."""
-
-    def __init__(
-        self,
-        settings: EcoSpecSettings,
-        hf_config,
-        *,
-        topk: int,
-        num_draft_tokens: int,
-        max_batch: int,
-        device,
-        target_model=None,
-        ep_layout=None,
-    ):
-        """Builds and activates everything; ``ep_layout`` is SGLang's EP state
-        (``ep_placement.EPLayout``; None: no EP). ValueError when the settings do not fit
-        the served model or its parallelism."""
-        from sgl_ecospec.predictors import LowRankExpertHead, OnlineExpertPredictor
-        from sglang_ecospec import ep_placement, eps_table, metrics, routing, selection
-
-        layer_ids, num_experts, top_k = routing.moe_layout(hf_config)
-        if settings.verify_moe_kernel:
-            from sglang_ecospec import verify_moe_hook
-
-            verify_moe_hook.check_device(device)
-            if target_model is None:
-                raise ValueError("verify_moe_kernel needs the target model (its class is hooked)")
-        ep_layout = ep_layout or ep_placement.EPLayout()
-        placement = None
-        if settings.ep_cost and ep_layout.ep_size > 1:
-            placement = ep_placement.ExpertPlacement(ep_layout, layer_ids, num_experts, device)
-        table = None
-        if settings.eps_auto:
-            table = eps_table.cost_model_eps_table(
-                settings.profile,
-                settings.hardware,
-                moe_layers=len(layer_ids),
-                num_experts=num_experts,
-                top_k=top_k,
-                verify_tokens=num_draft_tokens,
-                max_batch=max_batch,
-                ep_size=ep_layout.ep_size if placement is not None else 1,
-            )
-        shape = {"num_layers": len(layer_ids), "num_experts": num_experts, "top_k": top_k}
-        if settings.predictor == "head":
-            # The draft reads the target's token embeddings: its hidden size is the target's.
-            predictor = LowRankExpertHead.load(
-                settings.predictor_file,
-                device=device,
-                hidden_size=routing.text_config(hf_config).hidden_size,
-                **shape,
-            )
-        elif settings.predictor_file:
-            predictor = OnlineExpertPredictor.load(settings.predictor_file, device=device, **shape)
-        else:
-            predictor = OnlineExpertPredictor(
-                len(layer_ids),
-                num_experts,
-                top_k,
-                num_buckets=settings.num_buckets,
-                prior_weight=settings.prior_weight,
-                halve_every=settings.halve_every,
-                device=device,
-            )
-        self.settings = settings
-        self.predictor = predictor
-        self.placement = placement
-        self.selector = selection.EcoSpecSelector(
-            settings,
-            predictor,
-            topk=topk,
-            num_draft_tokens=num_draft_tokens,
-            max_batch=max_batch,
-            device=device,
-            placement=placement,
-            eps_table=table,
-        )
-        self.capture = routing.RoutingCapture(
-            layer_ids, top_k, max_batch * num_draft_tokens, device
-        )
-        self.stats = routing.VerifyStats(num_experts, device)
-        self.log_window = self.stats.window()  # the "EcoSpec:" line
-        self.decode_log_window = self.stats.window()  # SGLang's decode log line, /metrics
-        self.summaries: list[dict] = []  # what the "EcoSpec:" lines reported
-        self._warned_overflow = False
-        selection.install_hook()
-        routing.install_hook()
-        metrics.install_hook()
-        selection.activate(self.selector)
-        routing.activate(self.capture)
-        metrics.activate(self.decode_log_window)
-        self.verify_moe = None  # the verify-MoE kernel's route (setting verify_moe_kernel)
-        if settings.verify_moe_kernel:
-            self.verify_moe = verify_moe_hook.enable(type(target_model), device)
-        if placement is not None:
-            ep_placement.install_hook()
-            ep_placement.activate(placement)
-        logger.info(
-            "%s active: %d MoE layers x %d experts (top-%d), predictor %s, policy %s, eps %s, "
-            "share_buffer %s, EP cost %s, learn %s",
-            NAME,
-            len(layer_ids),
-            num_experts,
-            top_k,
-            settings.predictor,
-            settings.policy,
-            settings.eps,
-            settings.share_buffer,
-            f"over {placement.num_ranks} ranks" if placement is not None else "off",
-            settings.learn,
-        )
-
-    def before_decode(self, spec_info) -> None:
-        """Seeds the selector with the batch's bonus tokens (the draft trees' roots)."""
-        roots = None
-        if spec_info is not None and spec_info.is_draft_input():
-            roots = getattr(spec_info, "bonus_tokens", None)
-        self.selector.set_roots(roots)
-
-    def after_verify(self, verify_input) -> None:
-        """Learns from and measures the routing of the verify pass that just ran."""
-        tokens = getattr(verify_input, "draft_token", None)
-        if tokens is None or tokens.numel() == 0:
-            return
-        count = tokens.numel()
-        if count > self.capture.max_tokens:
-            if not self._warned_overflow:
-                logger.warning(
-                    "%s: %d verify tokens exceed the routing buffer; not learning", NAME, count
-                )
-                self._warned_overflow = True
-            return
-        tokens = tokens.flatten().long()
-        routing_ids = self.capture.verify_routing(count)  # [T, L, K]
-        # What selection predicted for these rows, before any learning from them.
-        predicted = self.selector.verify_topk[:count].long()  # [T, L, K]
-        self.stats.update(routing_ids, predicted)
-        if self.settings.learn and not self.predictor.needs_hidden:
-            self.predictor.observe(tokens, routing_ids, validate=False)
-        interval = self.settings.log_interval
-        if interval and self.log_window.pending_steps >= interval:
-            summary = self.log_window.read()
-            self.summaries.append(summary)
-            logger.info(
-                "EcoSpec: %d verify steps, unique experts/layer/step %.2f, predictor recall "
-                "%.3f, verify tokens/step %.1f",
-                summary["verify_steps"],
-                summary["unique_experts_per_layer"],
-                summary["predictor_recall"],
-                summary["verify_tokens_per_step"],
-            )
-
-    def close(self) -> None:
-        from sglang_ecospec import ep_placement, metrics, routing, selection
-
-        if selection.active() is self.selector:
-            selection.activate(None)
-        if self.placement is not None and ep_placement.active() is self.placement:
-            ep_placement.activate(None)
-        if routing.active() is self.capture:
-            routing.activate(None)
-        if metrics.active() is self.decode_log_window:
-            metrics.activate(None)
-        if self.verify_moe is not None:
-            from sglang_ecospec import verify_moe_hook
-
-            if verify_moe_hook.active() is self.verify_moe:
-                verify_moe_hook.activate(None)
-
-
 def _make_worker_class():
     from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
 
@@ -322,13 +152,14 @@ def _make_worker_class():
         def __init__(self, server_args, gpu_id, nccl_port, target_worker):
             super().__init__(server_args, gpu_id, nccl_port, target_worker)
             self.ecospec_settings = EcoSpecSettings.from_env()
-            self.ecospec: EcoSpecRuntime | None = None  # built in alloc_memory_pool
+            self.ecospec = None  # runtime.EcoSpecRuntime, built in alloc_memory_pool
 
         def alloc_memory_pool(self, *args, **kwargs):
             super().alloc_memory_pool(*args, **kwargs)
             pool = kwargs.get("req_to_token_pool") or self.req_to_token_pool
             if self.ecospec is None and self._draft_worker is not None:
                 from sglang_ecospec.ep_placement import sglang_layout
+                from sglang_ecospec.runtime import EcoSpecRuntime
 
                 self.ecospec = EcoSpecRuntime(
                     self.ecospec_settings,

@@ -30,8 +30,10 @@ import dataclasses
 import logging
 
 import torch
+from sglang.srt.plugins.hook_registry import HookType
 
 from sgl_ecospec.placement import expert_rank_map
+from sglang_ecospec.hooks import HookSlot
 
 logger = logging.getLogger(__name__)
 
@@ -161,38 +163,17 @@ class ExpertPlacement:
         return metadata is not None and metadata is self.layout.metadata
 
 
-_active: ExpertPlacement | None = None
+# The placement of this process's ECOSPEC worker (under EP with ep_cost); empty, EPLB
+# updates are SGLang's alone.
+slot: HookSlot[ExpertPlacement] = HookSlot("expert placement")
 
 
-def activate(placement: ExpertPlacement | None) -> None:
-    """Makes ``placement`` the one EPLB updates refresh in this process (None: none)."""
-    global _active
-    _active = placement
-
-
-def active() -> ExpertPlacement | None:
-    return _active
-
-
+@slot.hook(UPDATE_TARGET, HookType.AFTER)
 def after_location_update(result, metadata, *args, **kwargs):
     """AFTER hook on ``ExpertLocationMetadata.update`` (EPLB rebalance): refreshes the active
     placement when it reads the updated metadata. Returns SGLang's result unchanged."""
-    placement = _active
+    placement = slot.active()
     if placement is not None and placement.follows(metadata):
         placement.refresh()
         logger.info("ECOSPEC: expert placement refreshed after an EPLB update")
     return result
-
-
-_installed = False
-
-
-def install_hook() -> None:
-    """Registers and applies the EPLB refresh hook (idempotent)."""
-    global _installed
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    if not _installed:
-        HookRegistry.register(UPDATE_TARGET, after_location_update, HookType.AFTER)
-        HookRegistry.apply_hooks()
-        _installed = True

@@ -9,8 +9,8 @@ ECOSPEC worker in its scheduler process only) does, on exactly those calls:
 - reads the active :class:`~sglang_ecospec.routing.StatsWindow` (one host sync per decode
   log line: the statistics live on the device);
 - appends ``, ecospec experts/layer/step: 5.62, predictor recall: 0.833`` to the decode line,
-  through a :class:`logging.Filter` on SGLang's reporter logger that is armed only while
-  the hooked call runs;
+  through a :class:`logging.Filter` on SGLang's reporter logger that is attached only
+  while the hooked call runs;
 - with ``--enable-metrics``, sets :class:`EcoSpecMetrics` (labels and metric classes taken
   from SGLang's scheduler collector, multiprocess mode like SGLang's gauges).
 
@@ -19,6 +19,8 @@ and nothing else.
 """
 
 import logging
+
+from sglang_ecospec.hooks import HookSlot
 
 logger = logging.getLogger(__name__)
 
@@ -128,19 +130,11 @@ class DecodeLineFields(logging.Filter):
         return True
 
 
-_active = None  # the StatsWindow of this process's ECOSPEC worker
+# The decode-log window of this process's ECOSPEC worker (a routing.StatsWindow); empty, the
+# hook only calls SGLang's method.
+slot: HookSlot = HookSlot("decode log window")
 _line_fields = DecodeLineFields()
 _metrics: EcoSpecMetrics | None = None
-
-
-def activate(window) -> None:
-    """Makes ``window`` (a ``routing.StatsWindow``) the one the hook reads (None: stop)."""
-    global _active
-    _active = window
-
-
-def active():
-    return _active
 
 
 def is_report_tick(reporter) -> bool:
@@ -176,36 +170,26 @@ def metrics_for(collector) -> EcoSpecMetrics:
     return _metrics
 
 
+@slot.hook(REPORT_TARGET)
 def report_decode_stats_hook(original, reporter, *args, **kwargs):
     """AROUND hook on ``SchedulerMetricsReporter.report_decode_stats`` (module doc)."""
-    window = _active
+    window = slot.active()
     if window is None or not is_report_tick(reporter):
         return original(reporter, *args, **kwargs)
     summary = window.read()
     if summary is None:
         return original(reporter, *args, **kwargs)
     accept_length = window_accept_length(reporter)
+    # The filter sits on SGLang's logger only for this call: other lines never meet it.
+    decode_logger = logging.getLogger(DECODE_LOGGER)
     _line_fields.fields = decode_log_fields(summary)
+    decode_logger.addFilter(_line_fields)
     try:
         result = original(reporter, *args, **kwargs)
     finally:
+        decode_logger.removeFilter(_line_fields)
         _line_fields.fields = None
     collector = getattr(reporter, "metrics_collector", None)
     if reporter.current_scheduler_metrics_enabled and collector is not None:
         metrics_for(collector).record(summary, accept_length)
     return result
-
-
-_installed = False
-
-
-def install_hook() -> None:
-    """Registers and applies the reporter hook and the log filter (idempotent)."""
-    global _installed
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    if not _installed:
-        HookRegistry.register(REPORT_TARGET, report_decode_stats_hook, HookType.AROUND)
-        HookRegistry.apply_hooks()
-        logging.getLogger(DECODE_LOGGER).addFilter(_line_fields)
-        _installed = True

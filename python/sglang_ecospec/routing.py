@@ -18,6 +18,9 @@ Shape legend: T = tokens of a forward, R = buffer rows, L = MoE layers, K = expe
 import logging
 
 import torch
+from sglang.srt.plugins.hook_registry import HookType
+
+from sglang_ecospec.hooks import HookSlot
 
 logger = logging.getLogger(__name__)
 
@@ -106,42 +109,21 @@ class RoutingCapture:
         return self.buffer[:num_tokens]
 
 
-_active: RoutingCapture | None = None
+# The capture of this process's ECOSPEC worker; empty, the hook only returns SGLang's result.
+slot: HookSlot[RoutingCapture] = HookSlot("routing capture")
 
 
-def activate(capture: RoutingCapture | None) -> None:
-    """Makes ``capture`` the one the hook writes to in this process (None: stop)."""
-    global _active
-    _active = capture
-
-
-def active() -> RoutingCapture | None:
-    return _active
-
-
+@slot.hook(CAPTURE_TARGET, HookType.AFTER)
 def after_capture(result, topk_config, layer_id, topk_ids, *args, **kwargs):
-    """AFTER hook on ``capture_routed_experts_if_allowed``: feeds the active capture.
+    """AFTER hook on ``capture_routed_experts_if_allowed``: feeds ``topk_ids`` (int ``[T,
+    >=K]``) to the active capture; SGLang's ``result`` is returned unchanged.
 
     Honors the per-config opt-out SGLang sets for draft models' MoE layers.
     """
-    capture = _active
+    capture = slot.active()
     if capture is not None and getattr(topk_config, "allow_routed_experts_capture", True):
         capture.capture(layer_id, topk_ids)
     return result
-
-
-_installed = False
-
-
-def install_hook() -> None:
-    """Registers and applies the capture hook (idempotent)."""
-    global _installed
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    if not _installed:
-        HookRegistry.register(CAPTURE_TARGET, after_capture, HookType.AFTER)
-        HookRegistry.apply_hooks()
-        _installed = True
 
 
 class VerifyStats:

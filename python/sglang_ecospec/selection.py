@@ -50,6 +50,7 @@ from sgl_ecospec.predictors import ExpertPredictor
 from sgl_ecospec.step import Placement, select_step
 from sglang_ecospec.ep_placement import ExpertPlacement
 from sglang_ecospec.eps_table import EpsTable
+from sglang_ecospec.hooks import HookSlot
 from sglang_ecospec.settings import EcoSpecSettings
 
 logger = logging.getLogger(__name__)
@@ -244,46 +245,26 @@ class EcoSpecSelector:
         return parent_list, index, draft_tokens
 
 
-_active: EcoSpecSelector | None = None
+# The selector of this process's ECOSPEC worker; empty, both hooks run SGLang's code.
+slot: HookSlot[EcoSpecSelector] = HookSlot("selector")
 
 
-def activate(selector: EcoSpecSelector | None) -> None:
-    """Makes ``selector`` the one the hook uses in this process (None: SGLang's own)."""
-    global _active
-    _active = selector
-
-
-def active() -> EcoSpecSelector | None:
-    return _active
-
-
+@slot.hook(SELECT_TARGET)
 def select_hook(original, i, topk_p, topk_index, hidden_states, scores, topk):
-    """AROUND hook on ``select_top_k_tokens``: hands step ``i``'s draft states to the active
-    selector, then runs SGLang's function unchanged."""
-    selector = _active
+    """AROUND hook on ``select_top_k_tokens``: hands step ``i``'s draft states (``[B, H]`` at
+    step 0, ``[B*K, H]`` after) to the active selector, then runs SGLang's function
+    unchanged."""
+    selector = slot.active()
     if selector is not None:
         selector.record_draft_states(i, hidden_states)
     return original(i, topk_p, topk_index, hidden_states, scores, topk)
 
 
+@slot.hook(ORGANIZE_TARGET)
 def organize_hook(original, score_list, token_list, parents_list, num_draft_token):
-    """AROUND hook on ``organize_draft_results``: ECOSPEC's selection when active."""
-    selector = _active
+    """AROUND hook on ``organize_draft_results``: ECOSPEC's selection when a selector is
+    active (arguments and results as :meth:`EcoSpecSelector.organize`)."""
+    selector = slot.active()
     if selector is None:
         return original(score_list, token_list, parents_list, num_draft_token)
     return selector.organize(score_list, token_list, parents_list, num_draft_token)
-
-
-_installed = False
-
-
-def install_hook() -> None:
-    """Registers and applies the selection hooks (idempotent)."""
-    global _installed
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    if not _installed:
-        HookRegistry.register(ORGANIZE_TARGET, organize_hook, HookType.AROUND)
-        HookRegistry.register(SELECT_TARGET, select_hook, HookType.AROUND)
-        HookRegistry.apply_hooks()
-        _installed = True

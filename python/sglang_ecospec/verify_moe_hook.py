@@ -41,6 +41,7 @@ import os
 import torch
 
 from sgl_ecospec.ops import verify_moe as kernel
+from sglang_ecospec.hooks import Hook, HookSlot
 from sglang_ecospec.settings import EcoSpecSettingsError
 
 logger = logging.getLogger(__name__)
@@ -207,24 +208,16 @@ class VerifyMoeRoute:
         return StandardCombineInput(hidden_states=out)
 
 
-_active: VerifyMoeRoute | None = None
+# The route of this process's ECOSPEC worker; empty, both hooks run SGLang's code.
+slot: HookSlot[VerifyMoeRoute] = HookSlot("verify-MoE route")
 _in_target_verify = False  # inside a target-verify forward of the hooked model class
 
 
-def activate(route: VerifyMoeRoute | None) -> None:
-    """Makes ``route`` the one the hooks use in this process (None: SGLang's MoE everywhere)."""
-    global _active
-    _active = route
-
-
-def active() -> VerifyMoeRoute | None:
-    return _active
-
-
 def around_model_forward(original, model, *args, **kwargs):
-    """AROUND hook on the target model class's ``forward``: marks target-verify forwards."""
+    """AROUND hook on the target model class's ``forward``: marks target-verify forwards
+    (installed per class: :func:`model_forward_hook`)."""
     global _in_target_verify
-    if _active is None:
+    if slot.active() is None:
         return original(model, *args, **kwargs)
     batch = kwargs.get("forward_batch")
     if batch is None:
@@ -238,10 +231,16 @@ def around_model_forward(original, model, *args, **kwargs):
         _in_target_verify = outer
 
 
+def model_forward_hook(model_cls: type) -> Hook:
+    """:func:`around_model_forward` on ``model_cls.forward``, for ``slot.bind``."""
+    return Hook(model_forward_target(model_cls), around_model_forward)
+
+
+@slot.hook(MOE_CORE_TARGET)
 def around_run_moe_core(original, layer, *args, **kwargs):
     """AROUND hook on ``FusedMoE.run_moe_core``: the kernel for target layers in a
     target-verify forward, SGLang's own path otherwise."""
-    route = _active
+    route = slot.active()
     if route is None or not _in_target_verify or getattr(layer, "is_draft", False):
         return original(layer, *args, **kwargs)
     if len(args) == 1 and not kwargs:
@@ -251,37 +250,3 @@ def around_run_moe_core(original, layer, *args, **kwargs):
     else:  # a subclass's extended call (expert-parallel overlap arguments): not ours
         return original(layer, *args, **kwargs)
     return route.run(original, layer, dispatch_output)
-
-
-_installed: set[str] = set()
-
-
-def install_hooks(model_cls: type) -> None:
-    """Registers and applies both hooks for the target model class (idempotent)."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    hooks = {
-        MOE_CORE_TARGET: around_run_moe_core,
-        model_forward_target(model_cls): around_model_forward,
-    }
-    new = [target for target in hooks if target not in _installed]
-    for target in new:
-        HookRegistry.register(target, hooks[target], HookType.AROUND)
-        _installed.add(target)
-    if new:
-        HookRegistry.apply_hooks()
-
-
-def enable(model_cls: type, device, impl: str = "triton") -> VerifyMoeRoute:
-    """Checks the device, installs the hooks for ``model_cls`` and activates a new route."""
-    if impl == "triton":
-        check_device(device)
-    install_hooks(model_cls)
-    route = VerifyMoeRoute(impl)
-    activate(route)
-    logger.info(
-        "verify_moe_kernel: target-verify MoE layers of %s run EcoSpec's verify-MoE kernel (%s)",
-        model_cls.__qualname__,
-        impl,
-    )
-    return route

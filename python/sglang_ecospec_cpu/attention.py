@@ -30,11 +30,19 @@ G = H // Hkv, D = q/k head dim, Dv = v head dim, T = query tokens of the batch,
 S = ``max_kv_splits``, N = keys of one request.
 """
 
-import inspect
 import logging
-import math
 
 import torch
+
+from sglang_ecospec_cpu.attention_math import (
+    cap_logits,
+    grouped_scores,
+    grouped_values,
+    head_major,
+    softmax_parts,
+    xai_log_scale,
+)
+from sglang_ecospec_cpu.function_hooks import register_function_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -43,72 +51,6 @@ EXTEND_TARGET = "sglang.kernels.ops.attention.extend_attention.extend_attention_
 EXTEND_UNIFIED_TARGET = "sglang.kernels.ops.attention.extend_attention.extend_attention_fwd_unified"
 # The decode kernel rounds each split's key range up to this many keys (its _MIN_BLOCK_KV).
 MIN_BLOCK_KV = 32
-# The extend kernels clamp a row's running max to this value once a tile was visited, so
-# a row whose keys are all masked has a finite max (its weights are exp(-inf) = 0).
-MASKED_ROW_MAX = -1e20
-
-
-def _cap_logits(scores: torch.Tensor, logit_cap: float) -> torch.Tensor:
-    """The kernels' soft cap ``cap * tanh(s / cap)``, when ``logit_cap > 0``."""
-    if logit_cap > 0:
-        return logit_cap * torch.tanh(scores / logit_cap)
-    return scores
-
-
-def _xai_log_scale(query_index: torch.Tensor, xai_temperature_len: int) -> torch.Tensor:
-    """The decode/extend kernels' xai temperature: ``log2(i) / log2(len)`` for query
-    positions ``i > len``, else 1. ``query_index``: int64, any shape."""
-    scale = torch.log2(query_index.clamp_min(1).float()) / math.log2(xai_temperature_len)
-    return torch.where(query_index > xai_temperature_len, scale, torch.ones_like(scale))
-
-
-def _head_major(buffer: torch.Tensor, loc: torch.Tensor, dim: int) -> torch.Tensor:
-    """Rows ``loc`` of a [slots, Hkv, >= dim] buffer, head-major: [Hkv, *loc.shape, dim] fp32.
-
-    Gathering through the transposed view gives each KV head a contiguous key block, which
-    the batched matmuls below read without another copy (about 2x faster than gathering
-    [*loc.shape, Hkv, dim] and contracting with einsum)."""
-    return buffer.transpose(0, 1)[:, loc, :dim].float()
-
-
-def _grouped_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Dot products of each query head with the keys of its KV head.
-
-    q: [E, H, D] fp32 queries; k: [Hkv, N, D] fp32 keys. Returns [H, E, N] fp32."""
-    e, h, d = q.shape
-    kv_heads = k.shape[0]
-    qh = q.view(e, kv_heads, h // kv_heads, d).permute(1, 2, 0, 3)
-    qh = qh.reshape(kv_heads, h // kv_heads * e, d)
-    return torch.matmul(qh, k.transpose(1, 2)).view(h, e, k.shape[1])
-
-
-def _grouped_values(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Weighted sum of the values of each head's KV head.
-
-    p: [H, E, N] fp32 weights; v: [Hkv, N, Dv] fp32. Returns [E, H, Dv] fp32."""
-    h, e, n = p.shape
-    kv_heads = v.shape[0]
-    out = torch.matmul(p.reshape(kv_heads, h // kv_heads * e, n), v)
-    return out.view(h, e, v.shape[2]).transpose(0, 1)
-
-
-def _softmax_parts(scores: torch.Tensor, sinks: torch.Tensor | None):
-    """Row max (clamped like the kernels), unnormalised weights and denominator.
-
-    scores: [H, E, N] fp32 with -inf at masked keys; sinks: [H] or None. Returns
-    ``(row_max [H, E], p [H, E, N], deno [H, E])``; the sink adds ``exp(sink - max)``."""
-    if scores.shape[-1] == 0:
-        row_max = scores.new_full(scores.shape[:-1], MASKED_ROW_MAX)
-    else:
-        row_max = scores.amax(-1).clamp_min(MASKED_ROW_MAX)
-    p = torch.exp(scores - row_max.unsqueeze(-1))
-    deno = p.sum(-1)
-    if sinks is not None:
-        deno = deno + torch.exp(sinks.float()[:, None] - row_max)
-    return row_max, p, deno
-
-
-# --- decode -------------------------------------------------------------------------------
 
 
 def decode_attention_fwd(
@@ -187,15 +129,15 @@ def decode_attention_fwd(
         flat = torch.where(valid, indptr[:-1, None, None] + key, 0)
         loc = torch.where(valid, kv_indices[flat].long(), 0)
     group = heads // kv_heads
-    k = _head_major(k_buffer, loc.view(batch, -1), dim)  # [Hkv, B, S*W, D]
-    v = _head_major(v_buffer, loc.view(batch, -1), dim_v)
+    k = head_major(k_buffer, loc.view(batch, -1), dim)  # [Hkv, B, S*W, D]
+    v = head_major(v_buffer, loc.view(batch, -1), dim_v)
 
     qg = q[:, :, :dim].float().view(batch, kv_heads, group, dim).transpose(0, 1)
     scores = torch.matmul(qg, k.transpose(2, 3))  # [Hkv, B, G, S*W]
     scores = scores.transpose(0, 1).reshape(batch, heads, used, width)
-    scores = _cap_logits(scores * (sm_scale * k_scale), logit_cap)
+    scores = cap_logits(scores * (sm_scale * k_scale), logit_cap)
     if xai_temperature_len > 0:
-        scores = scores * _xai_log_scale(lens - 1, xai_temperature_len)[:, None, None, None]
+        scores = scores * xai_log_scale(lens - 1, xai_temperature_len)[:, None, None, None]
     scores = scores.masked_fill(~valid[:, None], float("-inf"))
 
     # stage 1: each split's normalised output and log-sum-exp
@@ -335,8 +277,8 @@ def extend_attention_fwd(
                 loc = torch.arange(kvp[b], kvp[b + 1], device=device)
             else:
                 loc = kv_indices[kvp[b] : kvp[b + 1]].long()
-            keys.append(_head_major(k_buffer, loc, dim) * k_scale)
-            values.append(_head_major(v_buffer, loc, dim_v) * v_scale)
+            keys.append(head_major(k_buffer, loc, dim) * k_scale)
+            values.append(head_major(v_buffer, loc, dim_v) * v_scale)
             allow = torch.ones(rows, prefix_len, dtype=torch.bool, device=device)
             if use_mask and not skip_prefix_custom_mask:
                 allow &= mask[:, :prefix_len]
@@ -369,14 +311,14 @@ def extend_attention_fwd(
             k = q.new_zeros(kv_heads, 0, dim)
             v = q.new_zeros(kv_heads, 0, dim_v)
             allow = torch.zeros(rows, 0, dtype=torch.bool, device=device)
-        scores = _cap_logits(_grouped_scores(q, k) * sm_scale, logit_cap)
+        scores = cap_logits(grouped_scores(q, k) * sm_scale, logit_cap)
         if xai_temperature_len > 0:
-            scale = _xai_log_scale(prefix_len + query, xai_temperature_len)
+            scale = xai_log_scale(prefix_len + query, xai_temperature_len)
             scores = scores * scale[None, :, None]
         scores = scores.masked_fill(~allow[None], float("-inf"))
-        row_max, p, deno = _softmax_parts(scores, sinks)
+        row_max, p, deno = softmax_parts(scores, sinks)
         no_kv = deno == 0.0
-        out = _grouped_values(p, v) / torch.where(no_kv, 1.0, deno).T[..., None]
+        out = grouped_values(p, v) / torch.where(no_kv, 1.0, deno).T[..., None]
         o_extend[q_start : q_start + rows, :heads, :dim_v] = out.to(o_extend.dtype)
         if lse_extend is not None:
             lse = torch.where(no_kv, float("-inf"), torch.log(deno) + row_max)
@@ -475,9 +417,9 @@ def extend_attention_fwd_unified(
 
         qb = q[q_start : q_start + rows, :, :dim].float()
         heads = qb.shape[1]
-        k = _head_major(k_buffer, loc, dim)
-        v = _head_major(v_buffer, loc, dim_v)
-        scores = _cap_logits(_grouped_scores(qb, k) * (sm_scale * k_scale), logit_cap)
+        k = head_major(k_buffer, loc, dim)
+        v = head_major(v_buffer, loc, dim_v)
+        scores = cap_logits(grouped_scores(qb, k) * (sm_scale * k_scale), logit_cap)
         if xai_temperature_len > 0:
             q_index = (prefix_len + query).float()
             scale = torch.where(
@@ -487,8 +429,8 @@ def extend_attention_fwd_unified(
             )
             scores = scores * scale[None, :, None]
         scores = scores.masked_fill(~allow[None], float("-inf"))
-        _, p, deno = _softmax_parts(scores, sinks)
-        out = _grouped_values(p, v) / deno.T[..., None] * v_scale
+        _, p, deno = softmax_parts(scores, sinks)
+        out = grouped_values(p, v) / deno.T[..., None] * v_scale
         o[q_start : q_start + rows, :heads, :dim_v] = out.to(o.dtype)
 
 
@@ -507,52 +449,10 @@ KERNELS = {
 }
 
 
-def _around_hook(name: str, impl, fallback_reason):
-    """AROUND hook: ``impl`` for the calls it covers, the Triton kernel for the rest."""
-    signature = inspect.signature(impl)
-    reported = set()
-
-    def hook(original, *args, **kwargs):
-        arguments = signature.bind(*args, **kwargs).arguments
-        reason = fallback_reason(**arguments)
-        if reason is None:
-            return impl(*args, **kwargs)
-        if reason not in reported:
-            reported.add(reason)
-            logger.info("%s: %s, running the Triton kernel", name, reason)
-        return original(*args, **kwargs)
-
-    return hook
-
-
-def _same_parameters(target: str, impl) -> bool:
-    """Whether SGLang's kernel function at ``target`` takes the parameters ``impl`` takes."""
-    import pkgutil
-
-    original = pkgutil.resolve_name(target)
-    theirs = list(inspect.signature(original).parameters)
-    ours = list(inspect.signature(impl).parameters)
-    if theirs != ours:
-        logger.warning(
-            "%s takes %s, the CPU version %s: keeping the Triton kernel", target, theirs, ours
-        )
-        return False
-    return True
-
-
 def register_hooks() -> list[str]:
     """Registers the PyTorch versions as AROUND hooks on SGLang's Triton kernel functions
     (applied by SGLang's ``HookRegistry.apply_hooks`` after plugin loading; the Triton
     backend binds the kernels in ``TritonAttnBackend.__init__``, after that). A kernel whose
     parameters differ from ours (another SGLang version) keeps its Triton version. Returns
     the targets hooked."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    hooked = []
-    for target, (impl, fallback_reason) in KERNELS.items():
-        if not _same_parameters(target, impl):
-            continue
-        name = target.rsplit(".", 1)[1]
-        HookRegistry.register(target, _around_hook(name, impl, fallback_reason), HookType.AROUND)
-        hooked.append(target)
-    return hooked
+    return register_function_hooks(KERNELS)

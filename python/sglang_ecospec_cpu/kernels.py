@@ -13,7 +13,7 @@ the small testbed (Qwen2-MoE target) found two Triton kernels still run by the i
 
 The functions here have the semantics of those kernels. The gate functions are Python
 wrappers around a Triton launch and are hooked like the attention kernels (AROUND hooks, see
-:func:`.attention._around_hook`). ``generate_draft_decode_kv_indices`` is itself the
+:func:`.function_hooks.around_hook`). ``generate_draft_decode_kv_indices`` is itself the
 ``@triton.jit`` object, launched as ``kernel[grid](...)`` by the Triton attention backend's
 ``TritonMultiStepDraftBackend.common_template``; ``kernel[grid]`` calls the object's
 ``run(*args, grid=grid, warmup=False, **kwargs)``, so the AROUND hook sits on that one
@@ -32,7 +32,7 @@ import pkgutil
 
 import torch
 
-from sglang_ecospec_cpu.attention import _around_hook, _same_parameters
+from sglang_ecospec_cpu.function_hooks import register_function_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -320,13 +320,7 @@ def register_hooks() -> list[str]:
     targets."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    hooked = []
-    for target, (impl, fallback_reason) in FUNCTIONS.items():
-        if not _same_parameters(target, impl):
-            continue
-        name = target.rsplit(".", 1)[1]
-        HookRegistry.register(target, _around_hook(name, impl, fallback_reason), HookType.AROUND)
-        hooked.append(target)
+    hooked = register_function_hooks(FUNCTIONS)
     for target, (impl, fallback_reason) in LAUNCHED_KERNELS.items():
         if not _same_kernel_parameters(target, impl):
             continue

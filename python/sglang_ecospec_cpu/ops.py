@@ -10,7 +10,7 @@ build of sgl_kernel) are left alone.
 
 These kernels favour plain, checkable code over speed: the CPU development mode serves tiny
 models, and every op here runs once per decode step over a handful of requests. Each has a
-test in test/test_sglang_plugin.py against a plain-loop statement of the same contract.
+test in test/plugin/test_cpu_dev.py against a plain-loop statement of the same contract.
 
 Shape legend: B = requests, D = draft tokens per request (tree nodes, root first),
 P = req_to_token row length (pool_len), S = verify steps (accept_index width),

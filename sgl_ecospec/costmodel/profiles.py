@@ -133,43 +133,34 @@ def _deepseek_v3_dense_params() -> int:
     return 61 * mla + dense_ffn + shared_experts + 129280 * 7168 + 58 * 256 * 7168
 
 
+def _qwen3_moe(name: str, layers: int, hidden: int, intermediate: int, q_dim: int, repo: str):
+    """A Qwen3 MoE config: every layer MoE, 128 experts top-8, 4 kv heads of 128, vocabulary
+    151936, bf16 weights and compute."""
+    return ModelProfile(
+        name=name,
+        moe_layers=layers,
+        num_experts=128,
+        top_k=8,
+        hidden=hidden,
+        moe_intermediate=intermediate,
+        bytes_per_expert=3 * hidden * intermediate * 2,
+        dense_params=layers * _gqa_attention_params(hidden, q_dim, 512)
+        + 151936 * hidden
+        + layers * 128 * hidden,
+        bytes_per_dense_param=2,
+        compute_dtype="bf16",
+        vocab_size=151936,
+        notes=f"{repo} config.json; all {layers} layers are MoE; bf16.",
+    )
+
+
 MODELS: dict[str, ModelProfile] = {
     m.name: m
     for m in (
-        ModelProfile(
-            name="qwen3-235b-a22b",
-            moe_layers=94,
-            num_experts=128,
-            top_k=8,
-            hidden=4096,
-            moe_intermediate=1536,
-            bytes_per_expert=3 * 4096 * 1536 * 2,
-            # 64 q heads and 4 kv heads of 128; lm_head 151936 x 4096; routers 128 x 4096.
-            dense_params=94 * _gqa_attention_params(4096, 8192, 512)
-            + 151936 * 4096
-            + 94 * 128 * 4096,
-            bytes_per_dense_param=2,
-            compute_dtype="bf16",
-            vocab_size=151936,
-            notes="Qwen/Qwen3-235B-A22B config.json; all 94 layers are MoE; bf16.",
-        ),
-        ModelProfile(
-            name="qwen3-30b-a3b",
-            moe_layers=48,
-            num_experts=128,
-            top_k=8,
-            hidden=2048,
-            moe_intermediate=768,
-            bytes_per_expert=3 * 2048 * 768 * 2,
-            # 32 q heads and 4 kv heads of 128; lm_head 151936 x 2048; routers 128 x 2048.
-            dense_params=48 * _gqa_attention_params(2048, 4096, 512)
-            + 151936 * 2048
-            + 48 * 128 * 2048,
-            bytes_per_dense_param=2,
-            compute_dtype="bf16",
-            vocab_size=151936,
-            notes="Qwen/Qwen3-30B-A3B config.json; all 48 layers are MoE; bf16.",
-        ),
+        # 64 q heads (8192) and 4 kv heads of 128; lm_head 151936 x 4096; routers 128 x 4096.
+        _qwen3_moe("qwen3-235b-a22b", 94, 4096, 1536, 8192, "Qwen/Qwen3-235B-A22B"),
+        # 32 q heads (4096) and 4 kv heads of 128; lm_head 151936 x 2048; routers 128 x 2048.
+        _qwen3_moe("qwen3-30b-a3b", 48, 2048, 768, 4096, "Qwen/Qwen3-30B-A3B"),
         ModelProfile(
             name="gpt-oss-120b",
             moe_layers=36,

@@ -3,13 +3,23 @@
 import argparse
 import sys
 
-from sgl_ecospec.lab import costmodel_report as report
-from sgl_ecospec.lab.bench import cli as bench_cli
-from sgl_ecospec.lab.bench import sweep, train_head
-from sgl_ecospec.lab.testbed import build as testbed_build
+
+def add_command(subparsers, name: str, run, help: str, description: str):
+    """Adds the subcommand ``name`` (``help`` in the list, ``description`` atop its --help)
+    to ``subparsers`` (from ``ArgumentParser.add_subparsers``), run by ``run(args)``;
+    returns its parser, for the module to add its arguments."""
+    parser = subparsers.add_parser(name, help=help, description=description)
+    parser.set_defaults(run=run)
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # Imported here: the command modules import add_command from this one.
+    from sgl_ecospec.lab import costmodel_report as report
+    from sgl_ecospec.lab.bench import cli as bench_cli
+    from sgl_ecospec.lab.bench import sweep, train_head
+    from sgl_ecospec.lab.testbed import build as testbed_build
+
     parser = argparse.ArgumentParser(
         prog="sgl-ecospec", description="Cost-aware speculative decoding for MoE models."
     )

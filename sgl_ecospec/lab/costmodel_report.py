@@ -23,6 +23,7 @@ from sgl_ecospec.costmodel.profiles import (
     ridge_tokens,
 )
 from sgl_ecospec.costmodel.selection_cost import adaptive_draft_steps, sglang_adaptive_config
+from sgl_ecospec.lab.cli import add_command
 
 _COLUMNS = (
     # (JSON key, header, format)
@@ -38,18 +39,16 @@ _COLUMNS = (
     ("speedup", "speedup", "{:>7.3f}"),
 )
 
+HELP = "predict SD speedup on an MoE target (MoESD model, roofline prior)"
+DESCRIPTION = (
+    "Predicts speculative-decoding speedup per (batch, gamma) from the MoESD performance model "
+    "fitted to first-principles roofline timings. These are model predictions, not measurements."
+)
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Registers ``costmodel`` on ``subparsers`` (from ``ArgumentParser.add_subparsers``)."""
-    parser = subparsers.add_parser(
-        "costmodel",
-        help="predict SD speedup on an MoE target (MoESD model, roofline prior)",
-        description=(
-            "Predicts speculative-decoding speedup per (batch, gamma) from the MoESD "
-            "performance model fitted to first-principles roofline timings. These are "
-            "model predictions, not measurements."
-        ),
-    )
+    parser = add_command(subparsers, "costmodel", run, HELP, DESCRIPTION)
     parser.add_argument("--model", default="qwen3-235b-a22b", help=f"one of: {', '.join(MODELS)}")
     parser.add_argument(
         "--hardware", default="h200", help="h100 or h200, optionally <n>x<name> (e.g. 8xh200)"
@@ -78,7 +77,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--plot", metavar="FILE", help="also write a PNG plot")
-    parser.set_defaults(run=run)
     return parser
 
 

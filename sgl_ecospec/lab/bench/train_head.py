@@ -26,13 +26,23 @@ import time
 
 import torch
 
-from sgl_ecospec.lab.bench import cli as bench_cli
+from sgl_ecospec.lab.bench import arguments
+from sgl_ecospec.lab.bench.runs import open_engine
+from sgl_ecospec.lab.cli import add_command
+from sgl_ecospec.lab.config import TrainHeadConfig, with_models
 from sgl_ecospec.lab.datasets import DATASETS, load_prompts, render_chat
 from sgl_ecospec.predictors import (
     ExpertPredictor,
     LowRankExpertHead,
     OnlineExpertPredictor,
     train_expert_head,
+)
+
+HELP = "train the context-aware expert predictor (LowRankExpertHead) on real routing"
+DESCRIPTION = (
+    "Records (token, draft state, routing) of every verified token while the offline engine "
+    "decodes training prompts, trains a LowRankExpertHead on them and writes it for "
+    "`sgl-ecospec bench --predictor head` and the SGLang plugin."
 )
 
 
@@ -71,15 +81,7 @@ class RoutingRecorder(ExpertPredictor):
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Registers ``train-head`` on ``subparsers``."""
-    parser = subparsers.add_parser(
-        "train-head",
-        help="train the context-aware expert predictor (LowRankExpertHead) on real routing",
-        description=(
-            "Records (token, draft state, routing) of every verified token while the offline "
-            "engine decodes training prompts, trains a LowRankExpertHead on them and writes "
-            "it for `sgl-ecospec bench --predictor head` and the SGLang plugin."
-        ),
-    )
+    parser = add_command(subparsers, "train-head", run, HELP, DESCRIPTION)
     data = parser.add_argument_group("training prompts")
     data.add_argument(
         "--dataset",
@@ -91,7 +93,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     gen = parser.add_argument_group("decoding")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--batch-size", type=int, default=4, help="prompts per batch")
-    bench_cli.add_tree_arguments(gen)
+    arguments.add_tree_arguments(gen)
     head = parser.add_argument_group("head")
     head.add_argument("--rank", type=int, default=64, help="bottleneck width")
     head.add_argument(
@@ -100,7 +102,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     head.add_argument("--epochs", type=int, default=10)
     head.add_argument("--lr", type=float, default=3e-3)
     head.add_argument("--val-fraction", type=float, default=0.1, help="share held out")
-    bench_cli.add_model_arguments(parser)
+    arguments.add_model_arguments(parser)
     out = parser.add_argument_group("output")
     out.add_argument("--out", required=True, metavar="FILE", help="where the head is written")
     out.add_argument("--json", metavar="FILE", help="write the training report as JSON")
@@ -110,76 +112,30 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="also write the online count table learnt while recording: the same prompts as "
         "a warm start for --predictor online, to compare the head with",
     )
-    parser.set_defaults(run=run)
     return parser
 
 
-def validate(args: argparse.Namespace) -> dict:
-    """The run's configuration; ValueError on anything invalid, before any loading."""
-    for flag in ("num_prompts", "max_new_tokens", "batch_size", "topk", "steps", "rank", "epochs"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.token_buckets < 0:
-        raise ValueError(f"--token-buckets must be >= 0, got {args.token_buckets}")
-    if not args.lr > 0:
-        raise ValueError(f"--lr must be > 0, got {args.lr}")
-    if not 0 < args.val_fraction < 1:
-        raise ValueError(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
-    bench_cli.check_budget(args.budget, args.topk, args.steps)
-    bench_cli.check_model_arguments(args)
-    datasets = [d.strip() for d in args.dataset.split(",") if d.strip()]
-    if not datasets:
-        raise ValueError("--dataset names no dataset")
-    return {
-        "datasets": datasets,
-        **{
-            key: getattr(args, key)
-            for key in (
-                "num_prompts",
-                "seed",
-                "max_new_tokens",
-                "batch_size",
-                "topk",
-                "steps",
-                "budget",
-                "rank",
-                "token_buckets",
-                "epochs",
-                "lr",
-                "val_fraction",
-                "target",
-                "draft",
-                "small",
-                "device",
-                "dtype",
-                "out",
-                "save_table",
-            )
-        },
-    }
-
-
-def record(cfg: dict, engine, prompts: list) -> tuple[RoutingRecorder, float]:
+def record(cfg: TrainHeadConfig, engine, prompts: list) -> tuple[RoutingRecorder, float]:
     """Decodes ``prompts`` speculatively (confidence selection) and records every verify row;
     returns the recorder and the online predictor's recall over those rows."""
     from sgl_ecospec.lab.engine import SpecConfig
 
     spec = SpecConfig(
-        topk=cfg["topk"],
-        num_steps=cfg["steps"],
-        budget=cfg["budget"],
+        topk=cfg.topk,
+        num_steps=cfg.steps,
+        budget=cfg.budget,
         policy="confidence",
     )
     online = OnlineExpertPredictor(
-        engine.num_layers, engine.num_experts, engine.top_k, device=cfg["device"]
+        engine.num_layers, engine.num_experts, engine.top_k, device=cfg.device
     )
     recorder = RoutingRecorder(online)
     ids = [render_chat(engine.tokenizer, p.text) for p in prompts]
-    batches = [ids[i : i + cfg["batch_size"]] for i in range(0, len(ids), cfg["batch_size"])]
+    batches = [ids[i : i + cfg.batch_size] for i in range(0, len(ids), cfg.batch_size)]
     started = time.perf_counter()
     recalls = []  # (recall, verified rows) per batch
     for number, batch in enumerate(batches, 1):
-        result = engine.generate_speculative(batch, cfg["max_new_tokens"], spec, recorder)
+        result = engine.generate_speculative(batch, cfg.max_new_tokens, spec, recorder)
         rows = sum(step.verified_tokens for step in result.steps)
         recalls.append((result.predictor_recall or 0.0, rows))
         print(
@@ -205,12 +161,13 @@ def table_recall(engine, tokens, routing, val_fraction: float) -> float:
 
 def run(args: argparse.Namespace) -> int:
     """The ``train-head`` command."""
-    cfg = validate(args)
+    cfg = TrainHeadConfig.from_args(args)
     prompts = []
-    for name in cfg["datasets"]:
-        prompts += load_prompts(name, num_prompts=cfg["num_prompts"], seed=cfg["seed"])
-    engine = bench_cli.open_engine(cfg, "train-head")
-    torch.manual_seed(cfg["seed"])
+    for name in cfg.datasets:
+        prompts += load_prompts(name, num_prompts=cfg.num_prompts, seed=cfg.seed)
+    cfg = with_models(cfg, build_testbed=True)
+    engine = open_engine(cfg, "train-head")
+    torch.manual_seed(cfg.seed)
     recorder, online_recall = record(cfg, engine, prompts)
     tokens, hidden, routing = recorder.recorded()
     head = LowRankExpertHead(
@@ -218,37 +175,37 @@ def run(args: argparse.Namespace) -> int:
         engine.num_layers,
         engine.num_experts,
         engine.top_k,
-        rank=cfg["rank"],
-        token_buckets=cfg["token_buckets"],
+        rank=cfg.rank,
+        token_buckets=cfg.token_buckets,
     )
     history = train_expert_head(
         head,
         hidden,
         routing,
         tokens,
-        epochs=cfg["epochs"],
-        lr=cfg["lr"],
-        val_fraction=cfg["val_fraction"],
+        epochs=cfg.epochs,
+        lr=cfg.lr,
+        val_fraction=cfg.val_fraction,
         holdout="last",
-        seed=cfg["seed"],
+        seed=cfg.seed,
     )
-    head.save(cfg["out"])
-    if cfg["save_table"]:
-        recorder.inner.save(cfg["save_table"])
+    head.save(cfg.out)
+    if cfg.save_table:
+        recorder.inner.save(cfg.save_table)
     report = {
-        "config": cfg,
+        "config": cfg.to_dict(),
         "recorded_rows": int(tokens.shape[0]),
         "online_recall": online_recall,
-        "online_table_val_recall": table_recall(engine, tokens, routing, cfg["val_fraction"]),
+        "online_table_val_recall": table_recall(engine, tokens, routing, cfg.val_fraction),
         "history": history,
         "val_recall": history[-1]["val_recall"],
     }
     print(
         f"recorded {report['recorded_rows']} verify rows; held-out recall (last "
-        f"{cfg['val_fraction']:.0%} of the rows, later prompts): head "
+        f"{cfg.val_fraction:.0%} of the rows, later prompts): head "
         f"{report['val_recall']:.3f}, online count table fitted on the same rows "
         f"{report['online_table_val_recall']:.3f} (while decoding: {online_recall:.3f}); "
-        f"wrote {cfg['out']}"
+        f"wrote {cfg.out}"
     )
     if args.json:
         with open(args.json, "w") as f:

@@ -81,14 +81,7 @@ class Drafter:
         index = torch.arange(rows, device=counts.device)
         new_mask = padded_causal_mask(counts, rows)
         positions = self.cache.lengths[:, None] + index
-        out = self.draft(
-            self.embed(next_tokens),
-            aux,
-            positions,
-            past=self.cache.layer(0),
-            attn_mask=self.cache.attention_mask(new_mask),
-        )
-        self.cache.update(out.key, out.value, 0)
+        out = self._forward(next_tokens, aux, positions, new_mask)
         self.cache.commit(torch.where(index < counts[:, None], index, -1))
         every, last = torch.arange(batch, device=counts.device), counts - 1
         self.root_hidden = out.hidden[every, last]
@@ -136,16 +129,22 @@ class Drafter:
         )
         new_mask.scatter_(2, columns, True)
         positions = (self.cache.lengths + step)[:, None].expand(-1, topk)
+        out = self._forward(beam_tokens, hidden, positions, new_mask)
+        self._beam_hidden = out.hidden
+        return *self._top_children(out.logits), out.hidden
+
+    def _forward(self, tokens, hidden, positions, new_mask):
+        """One draft forward of new rows over the cache (``new_mask``: the new rows' mask
+        among themselves); their keys and values are appended to the cache."""
         out = self.draft(
-            self.embed(beam_tokens),
+            self.embed(tokens),
             hidden,
             positions,
             past=self.cache.layer(0),
             attn_mask=self.cache.attention_mask(new_mask),
         )
         self.cache.update(out.key, out.value, 0)
-        self._beam_hidden = out.hidden
-        return *self._top_children(out.logits), out.hidden
+        return out
 
     def _top_children(self, logits: torch.Tensor):
         # SGLang's draft: softmax over the draft vocabulary, top-k, then map to target ids.

@@ -36,6 +36,7 @@ from sgl_ecospec.lab.serving.local_server import (
     ecospec_log_summary,
     gpu_present,
 )
+from sgl_ecospec.ops.selection import SelectionOptions
 
 ALGORITHMS = ("none", "eagle3", "ecospec-confidence", "ecospec")
 WARMUP_PROMPT = "Hello"
@@ -117,8 +118,11 @@ def validate(args: argparse.Namespace) -> dict:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.output_len < 4:
         raise ValueError(f"--output-len must be >= 4 (sglang.bench_serving), got {args.output_len}")
-    if args.eps is not None and not args.eps > 0:
-        raise ValueError(f"--eps must be > 0, got {args.eps}")
+    if args.eps is not None:
+        try:
+            SelectionOptions(eps=args.eps)
+        except ValueError as exc:
+            raise ValueError(f"--{exc}") from None
     if (args.model_path is None) != (args.draft_model_path is None) and any(
         a != "none" for a in algorithms
     ):

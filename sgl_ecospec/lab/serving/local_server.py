@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 LAUNCH_CPU = REPO_ROOT / "scripts" / "launch_cpu.sh"
 
 # algorithm.py logs one such line per ``log_interval`` verify steps.

@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from sgl_ecospec.lab import datasets
+from sgl_ecospec.lab.cli import add_command
 from sgl_ecospec.lab.testbed import acceptance, assets, data, draft_training, export, moefy
 from sgl_ecospec.lab.testbed.recipe import RECIPES, Recipe, build_dir, recipe_hash
 
@@ -264,17 +265,17 @@ def _acceptance(model: nn.Module, tokenizer, draft, spec) -> dict[str, float]:
     }
 
 
+HELP = "build the MoE test model and its EAGLE-3 draft (cached)"
+DESCRIPTION = (
+    "MoEfies SmolLM2-135M-Instruct into a Qwen2-MoE model and trains an EAGLE-3 draft for it, "
+    "from packaged assets only. Cached under $SGL_ECOSPEC_CACHE/testbed (default "
+    "~/.cache/sgl-ecospec/testbed)."
+)
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Registers ``testbed`` (actions ``build`` and ``path``) on ``subparsers``."""
-    parser = subparsers.add_parser(
-        "testbed",
-        help="build the MoE test model and its EAGLE-3 draft (cached)",
-        description=(
-            "MoEfies SmolLM2-135M-Instruct into a Qwen2-MoE model and trains an EAGLE-3 "
-            "draft for it, from packaged assets only. Cached under "
-            "$SGL_ECOSPEC_CACHE/testbed (default ~/.cache/sgl-ecospec/testbed)."
-        ),
-    )
+    parser = add_command(subparsers, "testbed", run, HELP, DESCRIPTION)
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     build_cmd = actions.add_parser("build", help="build (unless cached) and print a summary")
     build_cmd.add_argument("--force", action="store_true", help="rebuild even if cached")
@@ -283,7 +284,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     for sub in (build_cmd, path_cmd):
         sub.add_argument("--small", action="store_true", help="the small CI variant (8 layers)")
-    parser.set_defaults(run=run)
     return parser
 
 

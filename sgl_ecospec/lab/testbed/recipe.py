@@ -64,8 +64,10 @@ class Recipe:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
 
-def _moe(**overrides) -> MoeSpec:
-    base = dict(
+FULL = Recipe(
+    variant="full",
+    keep_layers=None,
+    moe=MoeSpec(
         num_experts=64,
         top_k=8,
         shared_neurons=1280,
@@ -77,14 +79,7 @@ def _moe(**overrides) -> MoeSpec:
         router_spread=1.0,
         refit_ridge=1e-2,
         holdout_fraction=0.125,
-    )
-    return MoeSpec(**{**base, **overrides})
-
-
-FULL = Recipe(
-    variant="full",
-    keep_layers=None,
-    moe=_moe(),
+    ),
     calib_chunks=48,
     eval_chunks=8,
     chunk_len=512,
@@ -111,30 +106,28 @@ FULL = Recipe(
     ),
 )
 
-SMALL = Recipe(
+# The small testbed: FULL with fewer layers, less data and shorter training; every field not
+# named here is FULL's.
+SMALL = dataclasses.replace(
+    FULL,
     variant="small",
     # SmolLM2 does not survive losing 22 of its 30 layers (held-out perplexity > 1e5 for
     # every 8-layer subset tried); the first five plus the last three was the least bad.
     keep_layers=(0, 1, 2, 3, 4, 27, 28, 29),
-    moe=_moe(cluster_tokens=2048, router_steps=60),
+    moe=dataclasses.replace(FULL.moe, cluster_tokens=2048, router_steps=60),
     calib_chunks=12,
     eval_chunks=4,
-    chunk_len=512,
-    weight_dtype="bfloat16",
-    draft=DraftSpec(
+    draft=dataclasses.replace(
+        FULL.draft,
         aux_layer_ids=(0, 3, 6),
         vocab_size=4096,
         prompts=64,
         text_chunks=0,
         max_prompt_tokens=192,
         max_new_tokens=96,
-        gen_batch=32,
         epochs=3,
         batch_tokens=512,
-        lr=2e-3,
         ttt_steps=2,
-        ttt_decay=0.8,
-        soft_top_k=16,
         eval_prompts=8,
         eval_new_tokens=64,
         threads=1,

@@ -22,7 +22,7 @@ import yaml
 from sglang.srt.server_args import ServerArgs
 from sglang_ecospec.settings import ENV_PREFIX, EcoSpecSettings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 INSTALL_SCRIPT = "scripts/docker_install.sh"
 # A build context that grows past this has picked up an environment or build outputs.
 MAX_CONTEXT_BYTES = 20 * 2**20
@@ -127,6 +127,7 @@ def installed(tmp_path_factory):
     return context, target, result.stdout
 
 
+@pytest.mark.slow  # builds the extension in a fresh environment (minutes)
 def test_install_script_builds_the_extension_and_registers_the_plugin(installed):
     context, target, stdout = installed
     assert f"sglang {pinned_sglang()}" in stdout
@@ -174,6 +175,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow
 def test_installed_extension_matches_the_reference_ops(installed, tmp_path):
     _, target, _ = installed
     # (batch, nodes, layers, experts, top_k, budget, tie levels): one or two bitmap words,

@@ -3,10 +3,12 @@ KV-list kernels (sglang_ecospec_cpu.kernels) against the Triton kernels. Without
 the kernels run under Triton's interpreter, which must be switched on before triton is
 imported, so that comparison runs in a fresh interpreter (:func:`compare_with_triton`)."""
 
+import functools
+
 import pytest
 import torch
-from _util import compared_under_interpreter
-from sglang_ecospec_cpu import kernels
+from _util import compared_under_interpreter, run_both
+from sglang_ecospec_cpu import function_hooks, kernels
 
 # --- shared-expert gate --------------------------------------------------------------------
 
@@ -122,13 +124,6 @@ def draft_inputs(case, seed=0):
     return args, kwargs, grid
 
 
-def clone_args(args, kwargs):
-    def copy(x):
-        return x.clone() if isinstance(x, torch.Tensor) and x.is_contiguous() else x
-
-    return [copy(a) for a in args], {k: copy(v) for k, v in kwargs.items()}
-
-
 def compare_with_triton() -> int:
     """Runs every case through SGLang's Triton kernel and the PyTorch version and asserts
     that they write the same tensors. Needs ``TRITON_INTERPRET=1`` from process start on a
@@ -150,18 +145,19 @@ def compare_with_triton() -> int:
         compared += 1
     for case in DRAFT_CASES:
         args, kwargs, grid = draft_inputs(case)
-        ours_args, ours_kwargs = clone_args(args, kwargs)
-        cache_locs.generate_draft_decode_kv_indices[grid](*args, **kwargs)
-        kernels.generate_draft_decode_kv_indices(*ours_args, **ours_kwargs, grid=grid)
+        theirs = cache_locs.generate_draft_decode_kv_indices[grid]
+        ours = functools.partial(kernels.generate_draft_decode_kv_indices, grid=grid)
+        ours_args, _ = run_both(theirs, ours, args, kwargs, contiguous_only=True)
         assert torch.equal(ours_args[3], args[3]), f"kv_indices {case[0]}"
         assert torch.equal(ours_args[4], args[4]), f"kv_indptr {case[0]}"
         compared += 1
     return compared
 
 
+@pytest.mark.slow  # Triton interpreter, about 15 s
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs without a GPU")
 def test_pytorch_versions_match_the_triton_kernels_under_the_interpreter():
-    assert compared_under_interpreter("test_cpu_kernels") == len(GATE_CASES) + len(DRAFT_CASES)
+    assert compared_under_interpreter(__file__) == len(GATE_CASES) + len(DRAFT_CASES)
 
 
 # --- plain PyTorch checks (no Triton) ------------------------------------------------------
@@ -210,7 +206,7 @@ def test_gate_hook_runs_pytorch_on_cpu_and_triton_otherwise():
     def original(*args):
         calls.append(len(args))
 
-    hook = kernels._around_hook(
+    hook = function_hooks.around_hook(
         "fused_gate_sigmoid_mul_add",
         kernels.fused_gate_sigmoid_mul_add,
         kernels.gate_fallback_reason,

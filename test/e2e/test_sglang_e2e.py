@@ -34,7 +34,7 @@ from sgl_ecospec.lab.serving.local_server import (
     gpu_present,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 # One MT-Bench question (writing) and one HumanEval prompt (HumanEval/0's header), sent as
 # chat-rendered text.

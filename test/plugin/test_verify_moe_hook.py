@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from sglang_ecospec import verify_moe_hook
+from sglang_ecospec import hooks, verify_moe_hook
 from sglang_ecospec.settings import EcoSpecSettings, EcoSpecSettingsError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -44,19 +44,18 @@ def test_device_check(monkeypatch):
 
 
 def test_runtime_refuses_the_kernel_where_it_cannot_run(monkeypatch):
-    from sglang_ecospec import algorithm, routing, selection
+    from sglang_ecospec import routing, selection
+    from sglang_ecospec.runtime import EcoSpecRuntime
     from transformers import Qwen2MoeConfig
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     config = Qwen2MoeConfig(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
     settings = EcoSpecSettings(verify_moe_kernel=True)
     with pytest.raises(EcoSpecSettingsError, match="Triton's interpreter"):
-        algorithm.EcoSpecRuntime(
-            settings, config, topk=2, num_draft_tokens=3, max_batch=2, device="cpu"
-        )
+        EcoSpecRuntime(settings, config, topk=2, num_draft_tokens=3, max_batch=2, device="cpu")
     # Refused before anything was activated.
-    assert selection.active() is None and routing.active() is None
-    assert verify_moe_hook.active() is None
+    assert selection.slot.active() is None and routing.slot.active() is None
+    assert verify_moe_hook.slot.active() is None
 
 
 def test_model_forward_hook_marks_only_target_verify_forwards():
@@ -68,14 +67,14 @@ def test_model_forward_hook_marks_only_target_verify_forwards():
         seen.append(verify_moe_hook._in_target_verify)
         return hidden
 
-    verify_moe_hook.activate(verify_moe_hook.VerifyMoeRoute("reference"))
+    verify_moe_hook.slot.activate(verify_moe_hook.VerifyMoeRoute("reference"))
     try:
         for mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DECODE, ForwardMode.EXTEND):
             batch = SimpleNamespace(forward_mode=mode)
             verify_moe_hook.around_model_forward(forward, None, 0, batch)
             verify_moe_hook.around_model_forward(forward, None, 0, forward_batch=batch)
     finally:
-        verify_moe_hook.activate(None)
+        verify_moe_hook.slot.activate(None)
     verify_moe_hook.around_model_forward(
         forward, None, 0, SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY)
     )
@@ -136,19 +135,22 @@ def layer_checks() -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     init_single_process_dist(master_port=port)
-    route = verify_moe_hook.enable(TinyMoeModel, "cpu")
-    assert verify_moe_hook.active() is route and route.impl == "triton"
+    verify_moe_hook.check_device("cpu")
+    route = verify_moe_hook.VerifyMoeRoute()
+    forward = verify_moe_hook.model_forward_hook(TinyMoeModel)
+    hooks.activate([verify_moe_hook.slot.bind(route, forward)])
+    assert verify_moe_hook.slot.active() is route and route.impl == "triton"
 
     def run(model, x, mode, **kwargs):
         with torch.no_grad():
             return model(x, SimpleNamespace(forward_mode=mode), **kwargs)
 
     def sglang(model, x, **kwargs):  # SGLang's own path: no route active
-        verify_moe_hook.activate(None)
+        verify_moe_hook.slot.activate(None)
         try:
             return run(model, x, ForwardMode.TARGET_VERIFY, **kwargs)
         finally:
-            verify_moe_hook.activate(route)
+            verify_moe_hook.slot.activate(route)
 
     facts = {}
     gen = torch.Generator().manual_seed(1)

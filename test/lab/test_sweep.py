@@ -1,4 +1,4 @@
-"""Tests of ``sgl-ecospec sweep``: EP pricing and its scaling identities, the selection
+"""Tests of ``sgl-ecospec sweep``: the selection
 constants per batch size, the adaptive gate, argument checks, and the whole command on
 tiny models (JSON schema, bars, plot)."""
 
@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from sgl_ecospec import select_verify_set
-from sgl_ecospec.costmodel import expected_unique_experts, get_model, selection_cost
-from sgl_ecospec.lab.bench import ep_cost, metrics, sweep
-from sgl_ecospec.lab.bench.cli import performance_model
+from sgl_ecospec.costmodel import get_model, selection_cost
+from sgl_ecospec.lab.bench import ep_cost, sweep, sweep_plan, sweep_report
+from sgl_ecospec.lab.bench.runs import performance_model
+from sgl_ecospec.lab.config import SweepConfig
 from sgl_ecospec.lab.engine import SpecConfig
 from sgl_ecospec.lab.engine.stats import rank_loads
 from sgl_ecospec.ops.bitmaps import topk_to_bitmap
@@ -43,113 +44,6 @@ def step_from_ids(batch, verified, accepted, ids_per_layer, num_experts):
     return Step(batch, verified, accepted, counts, bitmap)
 
 
-# --- EP pricing ---------------------------------------------------------------------------
-
-
-def test_scale_busiest_rank_identities():
-    rng = np.random.default_rng(0)
-    unique = rng.uniform(8, 64, 200)
-    scaled = rng.uniform(8, 128, 200)
-    # R = 1: the busiest rank is the union.
-    assert np.array_equal(
-        ep_cost.scale_busiest_rank(unique, unique, scaled, ep_size=1, num_experts=128), scaled
-    )
-    # Perfect balance stays perfect: u_p / R.
-    balanced = ep_cost.scale_busiest_rank(unique / 8, unique, scaled, ep_size=8, num_experts=128)
-    np.testing.assert_allclose(balanced, scaled / 8)
-    # Everything on one rank: the union, capped at the rank's E_p / R experts.
-    lopsided = ep_cost.scale_busiest_rank(unique, unique, scaled, ep_size=8, num_experts=128)
-    np.testing.assert_allclose(lopsided, np.minimum(scaled, 16))
-    # Anything between lies in [u_p / R, min(u_p, E_p / R)].
-    busiest = unique * rng.uniform(1 / 8, 1, 200)
-    out = ep_cost.scale_busiest_rank(busiest, unique, scaled, ep_size=8, num_experts=128)
-    assert (out >= np.minimum(scaled / 8, 16) - 1e-12).all() and (
-        out <= np.minimum(scaled, 16)
-    ).all()
-    with pytest.raises(ValueError, match=r"busiest must lie in \[unique / R, unique\]"):
-        ep_cost.scale_busiest_rank(9.0, 8.0, 10.0, ep_size=2, num_experts=128)
-    with pytest.raises(ValueError, match=r"busiest must lie in \[unique / R, unique\]"):
-        ep_cost.scale_busiest_rank(1.0, 8.0, 10.0, ep_size=4, num_experts=128)
-
-
-def test_pass_seconds_prices_the_busiest_rank():
-    perf = performance_model("qwen3-235b-a22b", "8xh200")
-    tokens, unique = np.array([8.0, 40.0]), np.array([40.0, 90.0])
-    plain = perf.verify_time(1, tokens, unique)
-    np.testing.assert_allclose(ep_cost.pass_seconds(perf, tokens, unique, unique, 1), plain)
-    # A perfectly balanced layer costs what the plain model says.
-    np.testing.assert_allclose(ep_cost.pass_seconds(perf, tokens, unique, unique / 8, 8), plain)
-    # Each expert the busiest rank holds above its even share costs R x k2.
-    skewed = ep_cost.pass_seconds(perf, tokens, unique, unique / 8 + 2, 8)
-    np.testing.assert_allclose(skewed - plain, 2 * 8 * perf.params.k2)
-
-
-def test_busiest_rank_experts_from_bitmaps():
-    assert ep_cost.contiguous_expert_rank(8, 4).tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
-    steps = [
-        step_from_ids(1, 1, [0], [[0, 1, 2], [0, 2, 4, 6]], 8),
-        step_from_ids(1, 1, [0], [[7], [6, 7, 5]], 8),
-    ]
-    assert ep_cost.busiest_rank_experts(steps, 8, 4).tolist() == [[2, 1], [1, 2]]
-    assert ep_cost.busiest_rank_experts(steps, 8, 1).tolist() == [[3, 4], [1, 3]]
-    assert ep_cost.busiest_rank_experts(steps, 8, 8).tolist() == [[1, 1], [1, 1]]
-
-
-def _uniform_steps(count, batch, per_request, experts, top_k, layers=3):
-    """Steps whose layer unions hold ``u`` experts spread over ranks as evenly as ids go."""
-    tokens = batch * per_request
-    union = int(round(float(expected_unique_experts(tokens, experts, top_k))))
-    ids = (
-        list(range(0, experts, 2))[:union]
-        + list(range(1, experts, 2))[: max(0, union - experts // 2)]
-    )
-    return [
-        step_from_ids(batch, tokens, [1] * batch, [ids] * layers, experts) for _ in range(count)
-    ]
-
-
-def test_price_steps_at_ep1_is_the_bench_pricing():
-    perf = performance_model("qwen3-235b-a22b", "h200")
-    spec = _uniform_steps(4, 2, 5, 16, 2)
-    ar = _uniform_steps(9, 2, 1, 16, 2)
-    kw = {"num_experts": 16, "top_k": 2}
-    priced_spec = ep_cost.price_steps(spec, perf, **kw, ep_size=1)
-    priced_ar = ep_cost.price_steps(ar, perf, **kw, ep_size=1)
-    ours = ep_cost.predicted_speedup(spec, priced_spec, ar, priced_ar, perf, num_draft_steps=3)
-    bench = metrics.predicted_cost(spec, ar, perf, **kw, num_draft_steps=3)
-    assert ours["speedup"] == pytest.approx(bench["speedup"], rel=1e-12)
-    assert ours["verify_ms"] == pytest.approx(bench["verify_ms"], rel=1e-12)
-    assert ours["ar_ms"] == pytest.approx(bench["ar_ms"], rel=1e-12)
-    assert ours["step_ms"] == pytest.approx(
-        bench["verify_ms"] + bench["draft_ms"] + bench["reject_ms"], rel=1e-12
-    )
-    assert ours["speedup_stderr"] == pytest.approx(0.0, abs=1e-12)  # identical steps
-    assert np.array_equal(priced_spec.busiest_scaled, priced_spec.unique_scaled)
-
-    # Under EP the busiest rank only adds cost: a slower pass than the balanced ideal.
-    perf8 = performance_model("qwen3-235b-a22b", "8xh200")
-    priced8 = ep_cost.price_steps(spec, perf8, **{"num_experts": 16, "top_k": 2}, ep_size=8)
-    balanced = perf8.verify_time(1, 10, priced8.unique_scaled.mean(1))
-    assert (priced8.seconds >= balanced - 1e-15).all()
-    assert (priced8.busiest_scaled <= priced8.unique_scaled).all()
-
-
-def test_predicted_speedup_stderr_grows_with_uneven_acceptance():
-    perf = performance_model("qwen3-235b-a22b", "h200")
-    base = _uniform_steps(6, 1, 5, 16, 2)
-    uneven = [
-        dataclasses.replace(s, accepted=[a]) for s, a in zip(base, [0, 4, 0, 4, 0, 4], strict=True)
-    ]
-    even = [dataclasses.replace(s, accepted=[2]) for s in base]
-    ar = _uniform_steps(5, 1, 1, 16, 2)
-    kw = {"num_experts": 16, "top_k": 2, "ep_size": 1}
-    priced, priced_ar = ep_cost.price_steps(base, perf, **kw), ep_cost.price_steps(ar, perf, **kw)
-    a = ep_cost.predicted_speedup(uneven, priced, ar, priced_ar, perf, num_draft_steps=3)
-    b = ep_cost.predicted_speedup(even, priced, ar, priced_ar, perf, num_draft_steps=3)
-    assert a["speedup"] == pytest.approx(b["speedup"])  # same tokens in total
-    assert a["speedup_stderr"] > 0.1 * a["speedup"] and b["speedup_stderr"] < 1e-12
-
-
 # --- selection constants per batch size ---------------------------------------------------
 
 
@@ -159,37 +53,41 @@ def _parse(argv):
     return parser.parse_args(["sweep", *argv])
 
 
+def _validate(argv):
+    return SweepConfig.from_args(_parse(argv))
+
+
 def test_testbed_expert_weight():
     same = dataclasses.replace(QWEN3, num_experts=64, top_k=8)
     for union, batch in [(8.0, 1), (30.0, 4), (60.0, 64)]:
-        assert sweep.testbed_expert_weight(
+        assert sweep_plan.testbed_expert_weight(
             union, batch, 4, num_experts=64, top_k=8, profile=same
         ) == pytest.approx(1.0)
     # The testbed (64 experts) saturates before Qwen3 (128): later testbed experts stand for
     # more of Qwen3's.
     weights = [
-        sweep.testbed_expert_weight(u, 64, 4, num_experts=64, top_k=8, profile=QWEN3)
+        sweep_plan.testbed_expert_weight(u, 64, 4, num_experts=64, top_k=8, profile=QWEN3)
         for u in (8.0, 30.0, 50.0)
     ]
     assert weights == sorted(weights) and weights[-1] > 2 * weights[0]
     # The roots' effective tokens never exceed the batch: a union wider than uniform
     # routing at batch 1 is treated as batch 1.
-    assert sweep.testbed_expert_weight(
+    assert sweep_plan.testbed_expert_weight(
         30.0, 1, 4, num_experts=64, top_k=8, profile=QWEN3
-    ) == sweep.testbed_expert_weight(8.0, 1, 4, num_experts=64, top_k=8, profile=QWEN3)
+    ) == sweep_plan.testbed_expert_weight(8.0, 1, 4, num_experts=64, top_k=8, profile=QWEN3)
 
 
 def test_selection_configs_follow_the_cost_model():
-    cfg = sweep.validate(_parse(["--profiles", "qwen3-235b-a22b,deepseek-v3", "--ep-sizes", "1,4"]))
+    cfg = _validate(["--profiles", "qwen3-235b-a22b,deepseek-v3", "--ep-sizes", "1,4"])
     testbed = {"num_layers": 2, "num_experts": 16, "top_k": 2}
-    configs = sweep.selection_configs(cfg, 32, 6.0, testbed)
+    configs = sweep_plan.selection_configs(cfg, 32, 6.0, testbed)
     assert set(configs) == {"confidence", "ecospec", "ecospec-ep", "adaptive"}
     perf = performance_model("qwen3-235b-a22b", "h200")
     cost = selection_cost(perf, 32, 5, draft_steps=3)
     adaptive = configs["adaptive"]
     assert adaptive["eps"] == cost.eps and adaptive["step_cost"] == cost.step_cost
     assert adaptive["step_tokens"] == cost.step_tokens == 1.0
-    weight = sweep.testbed_expert_weight(6.0, 32, 4, num_experts=16, top_k=2, profile=QWEN3)
+    weight = sweep_plan.testbed_expert_weight(6.0, 32, 4, num_experts=16, top_k=2, profile=QWEN3)
     assert adaptive["layer_weights"] == pytest.approx((94 / 2 * weight,) * 2)
     assert configs["ecospec"]["eps"] == cost.eps
     ep = configs["ecospec-ep"]
@@ -212,9 +110,9 @@ def test_ecospec_ep_lowers_the_busiest_rank_on_a_constructed_tree():
     """Root experts 0, 1 (rank 0). Node 0 (P 0.6) adds experts 2, 3, also on rank 0; node 1
     (P 0.5) adds 4, 8, 12, one on each other rank. EcoSpec counts 2 < 3 new experts and
     takes node 0; the EP cost sees node 0 raise the busiest rank by 2 and node 1 by 0."""
-    cfg = sweep.validate(_parse(["--ep-sizes", "1,4"]))
+    cfg = _validate(["--ep-sizes", "1,4"])
     testbed = {"num_layers": 1, "num_experts": 16, "top_k": 2}
-    configs = sweep.selection_configs(cfg, 1, 2.0, testbed)
+    configs = sweep_plan.selection_configs(cfg, 1, 2.0, testbed)
     scores, parents = torch.tensor([[0.6, 0.5]]), torch.tensor([[-1, -1]])
     nodes = topk_to_bitmap(torch.tensor([[[[2, 3, 3]]], [[[4, 8, 12]]]]), 16).view(1, 2, 1, 1)
     root = topk_to_bitmap(torch.tensor([[[0, 1]]]), 16)
@@ -251,18 +149,21 @@ def test_ecospec_ep_lowers_the_busiest_rank_on_a_constructed_tree():
 
 
 def test_defaults_validate():
-    cfg = sweep.validate(_parse([]))
+    cfg = _validate([]).to_dict()
     assert cfg["batch_sizes"] == [1, 2, 4, 8, 16, 32, 64]
     assert cfg["policies"] == ["confidence", "ecospec", "ecospec-ep", "adaptive"]
     assert cfg["ep_sizes"] == [1, 8]
     assert cfg["profiles"] == ["qwen3-235b-a22b", "gpt-oss-120b", "deepseek-v3"]
     assert cfg["hardware"] == "h200" and cfg["dataset"] == "mt-bench"
     assert cfg["budget"] == 4 and cfg["candidates"] == 36
-    # Policies run in a fixed order: adaptive's gate needs confidence's result first.
-    cfg = sweep.validate(_parse(["--policies", "adaptive,confidence", "--batch-sizes", "8,2"]))
+    # Policies are reported in a fixed order (adaptive's gate does not depend on it).
+    cfg = _validate(["--policies", "adaptive,confidence", "--batch-sizes", "8,2"]).to_dict()
     assert cfg["policies"] == ["confidence", "adaptive"] and cfg["batch_sizes"] == [2, 8]
-    assert [sweep.prompts_per_batch_size(b, 8) for b in (1, 3, 8, 16)] == [8, 9, 8, 16]
-    assert sweep.ep_hardware("h200", 1) == "h200" and sweep.ep_hardware("h200", 8) == "8xh200"
+    assert [sweep_plan.prompts_per_batch_size(b, 8) for b in (1, 3, 8, 16)] == [8, 9, 8, 16]
+    assert (
+        sweep_plan.ep_hardware("h200", 1) == "h200"
+        and sweep_plan.ep_hardware("h200", 8) == "8xh200"
+    )
 
 
 @pytest.mark.parametrize(
@@ -289,7 +190,7 @@ def test_defaults_validate():
 )
 def test_invalid_arguments(argv, message):
     with pytest.raises(ValueError, match=message):
-        sweep.validate(_parse(argv))
+        _validate(argv)
 
 
 def test_registered_on_the_cli():
@@ -416,7 +317,7 @@ def test_sweep_report_schema_and_plot(fitted_report):
         "ecospec_expert_reduction_paired",
         "ecospec_ep_lowers_busiest_rank_paired",
     }
-    printed = sweep.format_tables(rep)
+    printed = sweep_report.format_tables(rep)
     assert "# measured on the testbed" in printed and "# bars" in printed
     assert "predicted for gpt-oss-120b on 4xh200 (EP 4)" in printed
     assert len(printed.splitlines()) > len(rep["rows"])
@@ -480,12 +381,13 @@ def test_oracle_predictor_sweep(tiny_models, tmp_path):
 
 
 def test_warm_started_predictor_sweep(tiny_models, tmp_path):
+    from sgl_ecospec.lab.datasets import render_chat
     from sgl_ecospec.lab.engine import OfflineEngine
     from sgl_ecospec.predictors import OnlineExpertPredictor
 
     missing = str(tmp_path / "missing.pt")
     with pytest.raises(FileNotFoundError, match="missing.pt' does not exist"):
-        sweep.validate(_parse(["--predictor-file", missing]))
+        _validate(["--predictor-file", missing])
     # A table that has seen the greedy routing of every prompt predicts far better than an
     # empty one from the first step on.
     engine = OfflineEngine(str(tiny_models / "target"), str(tiny_models / "draft"))
@@ -493,7 +395,7 @@ def test_warm_started_predictor_sweep(tiny_models, tmp_path):
     cold = {r["batch_size"]: r["predictor_recall"] for r in rep["runs"]}
     table = OnlineExpertPredictor(engine.num_layers, engine.num_experts, engine.top_k)
     prompts = [json.loads(line)["prompt"] for line in open(tiny_models / "prompts.jsonl")]
-    prompts = [sweep.render_chat(engine.tokenizer, p) for p in prompts]
+    prompts = [render_chat(engine.tokenizer, p) for p in prompts]
     outputs = engine.generate_greedy(prompts, 10).outputs
     for prompt, output in zip(prompts, outputs, strict=True):
         ids = torch.tensor([prompt + output])
@@ -516,115 +418,6 @@ def test_warm_started_predictor_sweep(tiny_models, tmp_path):
     assert all(warm[b] > cold[b] for b in BATCHES), (warm, cold)
 
 
-def test_checks_report_failures():
-    def row(batch, policy, speedup, stderr=0.01, busiest=4.0):
-        return {
-            "batch_size": batch,
-            "policy": policy,
-            "profile": "p",
-            "ep_size": 8,
-            "speedup": speedup,
-            "speedup_stderr": stderr,
-            "busiest_rank_experts_scaled": busiest,
-        }
-
-    def run(batch, policy, experts, busiest):
-        return {
-            "batch_size": batch,
-            "policy": policy,
-            "experts_per_layer_step": experts,
-            "busiest_rank_experts": {"8": busiest},
-        }
-
-    rep = {
-        "config": {
-            "batch_sizes": [2, 16],
-            "profiles": ["p"],
-            "ep_sizes": [8],
-            "policies": ["confidence", "ecospec", "ecospec-ep", "adaptive"],
-        },
-        "rows": [
-            row(2, "confidence", 0.8),
-            row(2, "adaptive", 1.0),
-            row(2, "ecospec", 0.9, busiest=5),
-            row(2, "ecospec-ep", 0.9, busiest=4),
-            row(16, "confidence", 1.5),
-            row(16, "adaptive", 0.95),
-            row(16, "ecospec", 1.4, busiest=5),
-            row(16, "ecospec-ep", 1.4, busiest=6),
-        ],
-        "runs": [
-            run(2, "confidence", 20, 5),
-            run(2, "ecospec", 21, 5),
-            run(2, "ecospec-ep", 21, 4),
-            run(16, "confidence", 50, 9),
-            run(16, "ecospec", 40, 9),
-            run(16, "ecospec-ep", 41, 8),
-        ],
-    }
-    checks = sweep.checks(rep)
-    assert checks["adaptive_not_slower"]["passed"] is False
-    assert [
-        d["batch_size"] for d in checks["adaptive_not_slower"]["detail"] if not d["passed"]
-    ] == [16]
-    within = checks["adaptive_within_noise_of_confidence"]
-    assert within["passed"] is False and within["detail"][1]["difference"] == pytest.approx(-0.55)
-    reduction = checks["ecospec_expert_reduction"]
-    assert reduction["passed"] is False and [d["batch_size"] for d in reduction["detail"]] == [2]
-    # Batch 16: fewer busiest-rank experts on the testbed but more once scaled: not met.
-    ep = checks["ecospec_ep_lowers_busiest_rank"]
-    assert [d["passed"] for d in ep["detail"]] == [True, False] and ep["passed"] is False
-    # Without --paired runs the paired bars are not evaluated.
-    assert checks["ecospec_expert_reduction_paired"] == {"passed": None, "detail": []}
-    assert checks["ecospec_ep_lowers_busiest_rank_paired"]["passed"] is None
-
-    def paired(difference, stderr, against):
-        return {"difference": difference, "stderr": stderr, "against": against}
-
-    runs = {(e["batch_size"], e["policy"]): e for e in rep["runs"]}
-    runs[2, "ecospec"]["paired"] = {"experts_per_layer_step": paired(-2.0, 0.5, 20.0)}
-    runs[16, "ecospec"]["paired"] = {"experts_per_layer_step": paired(-9.0, 0.1, 50.0)}
-    runs[2, "ecospec-ep"]["paired"] = {"busiest_rank_experts_ep8": paired(-0.2, 0.05, 5.0)}
-    runs[16, "ecospec-ep"]["paired"] = {"busiest_rank_experts_ep8": paired(-0.2, 0.15, 9.0)}
-    checks = sweep.checks(rep)
-    reduction = checks["ecospec_expert_reduction_paired"]
-    # Batch 16 lies outside the batch 1-8 bar; batch 2 is 4 standard errors below zero.
-    assert reduction["passed"] is True and [d["batch_size"] for d in reduction["detail"]] == [2]
-    assert reduction["detail"][0]["relative"] == pytest.approx(-0.1)
-    ep = checks["ecospec_ep_lowers_busiest_rank_paired"]
-    assert [d["passed"] for d in ep["detail"]] == [True, False] and ep["passed"] is False
-    assert ep["detail"][1]["noise"] == pytest.approx(0.3)
-
-
-def test_paired_summary_by_hand():
-    # Two steps on 8 experts, 2 EP ranks (experts 0-3 | 4-7), one layer.
-    def step(own, other, scores):
-        bitmaps = torch.stack([topk_to_bitmap(torch.tensor([ids]), 8) for ids in (own, other)])
-        return dataclasses.replace(
-            step_from_ids(1, 3, [0], [own], 8), paired_bitmaps=bitmaps, paired_scores=scores
-        )
-
-    steps = [
-        step([0, 1, 4], [0, 1, 2, 3], [0.5, 0.75]),  # union 3 vs 4; busiest 2 vs 4
-        step([0, 4, 5], [0, 1, 4], [1.0, 1.0]),  # union 3 vs 3; busiest 2 vs 2
-    ]
-    summary = sweep.paired_summary(steps, {"num_experts": 8}, [1, 2])
-    assert summary["steps"] == 2 and summary["steps_differ"] == 1.0
-    assert summary["experts_per_layer_step"] == {
-        "run": 3.0,
-        "against": 3.5,
-        "difference": -0.5,
-        "stderr": pytest.approx(0.5),  # std of (-1, 0) is 0.707..., over sqrt(2)
-    }
-    busiest = summary["busiest_rank_experts_ep2"]
-    assert (busiest["run"], busiest["against"], busiest["difference"]) == (2.0, 3.0, -1.0)
-    assert busiest["stderr"] == pytest.approx(1.0)
-    assert summary["draft_score"]["difference"] == pytest.approx(-0.125)
-    assert "busiest_rank_experts_ep1" not in summary
-    same = [step([0, 1, 4], [0, 1, 4], [0.5, 0.5]), step([0, 4, 5], [0, 1, 4], [1.0, 1.0])]
-    assert sweep.paired_summary(same, {"num_experts": 8}, [1])["steps_differ"] == 0.5
-
-
 def test_paired_sweep_on_the_engine(tiny_models, tmp_path):
     policies = "confidence,ecospec,ecospec-ep"
     rep, _ = _sweep(tiny_models, "draft", tmp_path, "--policies", policies, "--paired")
@@ -634,7 +427,7 @@ def test_paired_sweep_on_the_engine(tiny_models, tmp_path):
             assert "paired" not in run
             continue
         paired = run["paired"]
-        assert paired["against"] == sweep.PAIRED_AGAINST[run["policy"]]
+        assert paired["against"] == sweep_plan.PAIRED_AGAINST[run["policy"]]
         assert paired["steps"] > 0
         assert set(paired) == {
             "against",
@@ -652,7 +445,7 @@ def test_paired_sweep_on_the_engine(tiny_models, tmp_path):
         assert paired["busiest_rank_experts_ep4"]["run"] == pytest.approx(
             run["busiest_rank_experts"]["4"]
         )
-        line = sweep._run_line(run, rep["config"])
+        line = sweep_report.run_line(run)
         assert f"paired vs {paired['against']}: experts " in line and "busiest EP4 " in line
         for value in paired.values():
             if isinstance(value, dict):
@@ -664,6 +457,6 @@ def test_paired_sweep_on_the_engine(tiny_models, tmp_path):
     checks = rep["checks"]
     assert checks["ecospec_expert_reduction_paired"]["passed"] is not None
     assert len(checks["ecospec_ep_lowers_busiest_rank_paired"]["detail"]) == len(BATCHES)
-    printed = sweep.format_tables(rep)
+    printed = sweep_report.format_tables(rep)
     assert "# paired on the same trees" in printed
     assert "ecospec-ep ecospec" in printed

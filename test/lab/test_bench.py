@@ -22,7 +22,8 @@ from sgl_ecospec.costmodel import (
     sd_speedup,
 )
 from sgl_ecospec.lab.bench import cli as bench_cli
-from sgl_ecospec.lab.bench import metrics
+from sgl_ecospec.lab.bench import metrics, runs
+from sgl_ecospec.lab.config import BenchConfig
 
 QWEN3 = get_model("qwen3-235b-a22b")
 
@@ -145,18 +146,21 @@ def _parse(argv):
     return parser.parse_args(["bench", *argv])
 
 
+def _validate(argv):
+    """The configuration of ``bench`` with ``argv``, as the JSON report carries it."""
+    return BenchConfig.from_args(_parse(argv)).to_dict()
+
+
 def test_defaults_validate():
-    cfg = bench_cli.validate(_parse([]))
+    cfg = _validate([])
     assert cfg["datasets"] == ["mt-bench"]
     assert cfg["policies"] == ["confidence", "ecospec"]
     assert cfg["budgets"] == [4] and cfg["candidates"] == 4 + 2 * 16
     assert cfg["share_buffer"] is True and cfg["predictor"] == "online"
-    cfg = bench_cli.validate(
-        _parse(["--budgets", "8,1,2", "--dataset", "gsm8k", "--prompts", "a.jsonl"])
-    )
+    cfg = _validate(["--budgets", "8,1,2", "--dataset", "gsm8k", "--prompts", "a.jsonl"])
     assert cfg["budgets"] == [1, 2, 4, 8] and cfg["datasets"] == ["gsm8k", "a.jsonl"]
-    assert bench_cli.validate(_parse(["--no-share-buffer"]))["share_buffer"] is False
-    assert bench_cli.validate(_parse(["--plot", "--budgets", "1,2"]))["budgets"] == [1, 2, 4]
+    assert _validate(["--no-share-buffer"])["share_buffer"] is False
+    assert _validate(["--plot", "--budgets", "1,2"])["budgets"] == [1, 2, 4]
 
 
 @pytest.mark.parametrize(
@@ -184,7 +188,7 @@ def test_defaults_validate():
 )
 def test_invalid_arguments(argv, message):
     with pytest.raises(ValueError, match=message):
-        bench_cli.validate(_parse(argv))
+        BenchConfig.from_args(_parse(argv))
 
 
 def test_argparse_rejects_unknown_predictor(capsys):
@@ -370,9 +374,9 @@ def test_divergence_at_a_near_tie_is_reported_not_fatal(fake_engine, tmp_path, c
 
 
 def test_a_mismatch_among_many_near_ties_is_not_a_tie():
-    check = bench_cli.OutputCheck(None, check_lossless=False, label="run")
+    check = runs.OutputCheck(None, check_lossless=False, label="run")
     check.mismatches = ["mismatch"]
-    check.near_ties = [f"tie {i} (near tie)" for i in range(bench_cli._MAX_MISMATCHES + 1)]
+    check.near_ties = [f"tie {i} (near tie)" for i in range(runs.MAX_MISMATCHES + 1)]
     fields = check.fields()
     assert fields["mismatches"][0] == "mismatch" and fields["mismatch_count"] == 1
     assert metrics.lossless_status(fields) == "NO"
@@ -516,13 +520,19 @@ def test_train_head_then_bench_with_it(tiny_models, tmp_path, capsys):
     assert "holds a LowRankExpertHead; pass --predictor head" in capsys.readouterr().err
 
 
-def test_default_models_are_the_testbed(monkeypatch, tmp_path):
+def test_default_models_are_the_testbed(monkeypatch, tmp_path, capsys):
     import sgl_ecospec.lab.testbed.build as testbed_build
     from sgl_ecospec.lab.bench.cli import default_models
     from sgl_ecospec.lab.testbed.recipe import RECIPES
 
+    monkeypatch.setenv("SGL_ECOSPEC_CACHE", str(tmp_path / "cache"))
     built = []
     monkeypatch.setattr(testbed_build, "build", lambda recipe: built.append(recipe) or tmp_path)
     assert default_models(small=True) == (str(tmp_path / "target"), str(tmp_path / "draft"))
     assert default_models(small=False)[0] == str(tmp_path / "target")
     assert built == [RECIPES["small"], RECIPES["full"]]
+    # A build is announced on stderr before it starts (nothing is cached here).
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("[testbed] building the small testbed (")
+    assert err[1].startswith("[testbed] building the full testbed (about 24 minutes on 2 cores)")
+    assert err[1].endswith("; later runs reuse it") and str(tmp_path / "cache") in err[1]

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from _util import requires_native
 
-SCRIPT = Path(__file__).parents[1] / "scripts" / "bench_selector.py"
+SCRIPT = Path(__file__).parents[2] / "scripts" / "bench_selector.py"
 
 
 @requires_native

@@ -14,7 +14,7 @@ from sgl_ecospec.lab.serving.local_server import (
     gpu_present,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cfg(*argv):
@@ -35,7 +35,7 @@ def test_defaults_cover_every_algorithm_and_two_concurrencies():
         (["--concurrency", "1,x"], "comma-separated integers"),
         (["--concurrency", "0"], ">= 1"),
         (["--output-len", "2"], ">= 4"),
-        (["--eps", "0"], "--eps must be > 0"),
+        (["--eps", "0"], "--eps must be finite and > 0"),
         (["--model-path", "/m"], "both --model-path and --draft-model-path"),
     ],
 )

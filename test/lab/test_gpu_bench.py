@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).parents[1]
+import pytest
+
+ROOT = Path(__file__).parents[2]
 
 
+@pytest.mark.slow  # about 20 s
 def test_gpu_bench_logic_on_cpu(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     result = subprocess.run(

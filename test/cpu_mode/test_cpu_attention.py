@@ -5,8 +5,8 @@ be switched on before triton is imported, so that comparison runs in a fresh int
 
 import pytest
 import torch
-from _util import compared_under_interpreter
-from sglang_ecospec_cpu import attention
+from _util import compared_under_interpreter, run_both
+from sglang_ecospec_cpu import attention, function_hooks
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 
@@ -228,11 +228,9 @@ def unified_inputs(case, seed=0):
     return args, kwargs
 
 
-def clone_args(args, kwargs):
-    def copy(x):
-        return x.clone() if isinstance(x, torch.Tensor) else x
-
-    return [copy(a) for a in args], {k: copy(v) for k, v in kwargs.items()}
+def assert_outputs_close(names, theirs, ours, label):
+    for name, expected, actual in zip(names, theirs, ours, strict=True):
+        torch.testing.assert_close(actual, expected, **TOL, msg=f"{label} {name}")
 
 
 def compare_with_triton() -> int:
@@ -244,45 +242,35 @@ def compare_with_triton() -> int:
     compared = 0
     for case in DECODE_CASES:
         args, kwargs = decode_inputs(case)
-        ours_args, ours_kwargs = clone_args(args, kwargs)
-        decode_attention.decode_attention_fwd(*args, **kwargs)
-        attention.decode_attention_fwd(*ours_args, **ours_kwargs)
-        for name, theirs, ours in zip(
-            ("o", "attn_logits", "attn_lse"),
-            decode_outputs(args),
-            decode_outputs(ours_args),
-            strict=True,
-        ):
-            torch.testing.assert_close(ours, theirs, **TOL, msg=f"decode {case[0]} {name}")
+        theirs, ours = decode_attention.decode_attention_fwd, attention.decode_attention_fwd
+        ours_args, _ = run_both(theirs, ours, args, kwargs)
+        names = ("o", "attn_logits", "attn_lse")
+        label = f"decode {case[0]}"
+        assert_outputs_close(names, decode_outputs(args), decode_outputs(ours_args), label)
         compared += 1
     for case in EXTEND_CASES:
         args, kwargs = extend_inputs(case)
-        ours_args, ours_kwargs = clone_args(args, kwargs)
-        extend_attention.extend_attention_fwd(*args, **kwargs)
-        attention.extend_attention_fwd(*ours_args, **ours_kwargs)
-        for name, theirs, ours in zip(
-            ("o", "lse"),
-            extend_outputs(args, kwargs),
-            extend_outputs(ours_args, ours_kwargs),
-            strict=True,
-        ):
-            torch.testing.assert_close(ours, theirs, **TOL, msg=f"extend {case[0]} {name}")
+        theirs, ours = extend_attention.extend_attention_fwd, attention.extend_attention_fwd
+        ours_args, ours_kwargs = run_both(theirs, ours, args, kwargs)
+        expected = extend_outputs(args, kwargs)
+        actual = extend_outputs(ours_args, ours_kwargs)
+        assert_outputs_close(("o", "lse"), expected, actual, f"extend {case[0]}")
         compared += 1
     for case in UNIFIED_CASES:
         args, kwargs = unified_inputs(case)
-        ours_args, ours_kwargs = clone_args(args, kwargs)
-        extend_attention.extend_attention_fwd_unified(*args, **kwargs)
-        attention.extend_attention_fwd_unified(*ours_args, **ours_kwargs)
+        theirs = extend_attention.extend_attention_fwd_unified
+        ours_args, _ = run_both(theirs, attention.extend_attention_fwd_unified, args, kwargs)
         torch.testing.assert_close(ours_args[1], args[1], **TOL, msg=f"unified {case[0]}")
         compared += 1
     return compared
 
 
+@pytest.mark.slow  # Triton interpreter, about 20 s
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs without a GPU")
 def test_pytorch_versions_match_the_triton_kernels_under_the_interpreter():
-    assert compared_under_interpreter("test_cpu_attention") == len(DECODE_CASES) + len(
-        EXTEND_CASES
-    ) + len(UNIFIED_CASES)
+    assert compared_under_interpreter(__file__) == len(DECODE_CASES) + len(EXTEND_CASES) + len(
+        UNIFIED_CASES
+    )
 
 
 # --- plain PyTorch checks (no Triton) ------------------------------------------------------
@@ -359,7 +347,7 @@ def test_hook_runs_pytorch_on_cpu_and_triton_for_uncovered_calls():
     def original(*args, **kwargs):
         calls.append(kwargs.get("score_mod"))
 
-    hook = attention._around_hook(
+    hook = function_hooks.around_hook(
         "decode_attention_fwd",
         attention.decode_attention_fwd,
         attention.decode_fallback_reason,
@@ -397,5 +385,5 @@ def test_register_hooks_targets_the_three_kernels(monkeypatch):
 
 def test_a_kernel_with_other_parameters_keeps_triton():
     target = "sglang.kernels.ops.attention.extend_attention.build_unified_kv_indices"
-    assert not attention._same_parameters(target, attention.extend_attention_fwd)
-    assert attention._same_parameters(attention.DECODE_TARGET, attention.decode_attention_fwd)
+    assert not function_hooks.same_parameters(target, attention.extend_attention_fwd)
+    assert function_hooks.same_parameters(attention.DECODE_TARGET, attention.decode_attention_fwd)

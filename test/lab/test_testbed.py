@@ -76,12 +76,18 @@ def _hf_block(block: moefy.MoeMLP):
     return hf
 
 
-def test_moe_mlp_matches_transformers_qwen2_moe_block():
-    gen = torch.Generator().manual_seed(0)
-    block = moefy.MoeMLP(num_experts=8, top_k=3, hidden=16, inter=4, shared=6)
+def random_block(gen, **sizes):
+    """A MoeMLP of these sizes with every parameter drawn from N(0, 1)."""
+    block = moefy.MoeMLP(**sizes)
     with torch.no_grad():
         for param in block.parameters():
             param.copy_(torch.randn(param.shape, generator=gen))
+    return block
+
+
+def test_moe_mlp_matches_transformers_qwen2_moe_block():
+    gen = torch.Generator().manual_seed(0)
+    block = random_block(gen, num_experts=8, top_k=3, hidden=16, inter=4, shared=6)
     x = torch.randn(2, 7, 16, generator=gen)
     torch.testing.assert_close(block(x), _hf_block(block)(x), rtol=1e-4, atol=1e-4)
 
@@ -97,10 +103,7 @@ def test_refit_down_recovers_a_realisable_target():
     # When the target is exactly what some down projections produce with the block's own
     # routing, the ridge refit (tiny ridge) finds them.
     gen = torch.Generator().manual_seed(0)
-    block = moefy.MoeMLP(num_experts=4, top_k=2, hidden=8, inter=3, shared=2)
-    with torch.no_grad():
-        for param in block.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen))
+    block = random_block(gen, num_experts=4, top_k=2, hidden=8, inter=3, shared=2)
     x = torch.randn(400, 8, generator=gen)
     with torch.no_grad():
         target = block(x)
@@ -146,6 +149,7 @@ def _toy_samples(gen, count=16, length=16, vocab=40, hidden=16, aux_layers=2, k=
     return samples
 
 
+@pytest.mark.slow  # about 15 s of training
 def test_draft_training_learns_a_toy_target():
     gen = torch.Generator().manual_seed(0)
     samples = _toy_samples(gen)
@@ -247,6 +251,7 @@ def target(small_build):
     return AutoModelForCausalLM.from_pretrained(small_build / "target", dtype=torch.float32).eval()
 
 
+@pytest.mark.slow  # needs the small testbed (built once, minutes)
 def test_build_writes_both_checkpoints(small_build):
     for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json"):
         assert (small_build / "target" / name).is_file(), name
@@ -257,6 +262,7 @@ def test_build_writes_both_checkpoints(small_build):
     assert build.build(recipe.SMALL) == small_build  # cached: returns at once
 
 
+@pytest.mark.slow  # needs the small testbed (built once, minutes)
 def test_target_is_qwen2_moe_matching_the_in_memory_model(small_build, target):
     from safetensors.torch import load_file
 
@@ -272,6 +278,7 @@ def test_target_is_qwen2_moe_matching_the_in_memory_model(small_build, target):
     torch.testing.assert_close(logits, probe["logits"], rtol=1e-3, atol=2e-3)
 
 
+@pytest.mark.slow  # needs the small testbed (built once, minutes)
 def test_tokenizer_round_trips_and_has_the_chat_template(small_build):
     from transformers import AutoTokenizer
 
@@ -313,6 +320,7 @@ def _routing_on_held_out(target, tokenizer):
     return result
 
 
+@pytest.mark.slow  # needs the small testbed (built once, minutes)
 def test_router_is_trained_skewed_and_context_dependent(small_build, target):
     from transformers import AutoTokenizer
 
@@ -341,6 +349,7 @@ def test_router_is_trained_skewed_and_context_dependent(small_build, target):
     assert sum(busiest) / len(busiest) > 2 * chance
 
 
+@pytest.mark.slow  # needs the small testbed (built once, minutes)
 def test_draft_loads_with_aux_layers_inside_the_target(small_build, target):
     from sgl_ecospec.lab.eagle3 import Eagle3Draft
 
@@ -352,6 +361,7 @@ def test_draft_loads_with_aux_layers_inside_the_target(small_build, target):
     assert info["acceptance"]["tree_topk4_steps3_budget4"] > 1.0
 
 
+@pytest.mark.slow  # needs the small testbed (built once, minutes)
 def test_path_prints_exactly_the_two_directories(small_build, capsys):
     parser = argparse.ArgumentParser()
     build.add_parser(parser.add_subparsers(dest="command"))

@@ -1,0 +1,178 @@
+"""What ECOSPEC adds to one scheduler process: :class:`EcoSpecRuntime`.
+
+Built by the worker (``algorithm.EcoSpecWorker``) once the memory pool is sized: the expert
+predictor (online, or a trained head), the selector, the routing capture and its statistics,
+under expert parallelism the expert -> EP rank placement, with ``eps=auto`` the cost model's
+eps table; it activates the hooks that use them (:mod:`sglang_ecospec.hooks`) and is called
+before each decode step and after each verify.
+"""
+
+import logging
+
+from sglang_ecospec.algorithm import NAME
+from sglang_ecospec.settings import EcoSpecSettings
+
+logger = logging.getLogger(__name__)
+
+
+class EcoSpecRuntime:
+    """Everything ECOSPEC adds to one scheduler process, built once the pool size is known."""
+
+    def __init__(
+        self,
+        settings: EcoSpecSettings,
+        hf_config,
+        *,
+        topk: int,
+        num_draft_tokens: int,
+        max_batch: int,
+        device,
+        target_model=None,
+        ep_layout=None,
+    ):
+        """Builds and activates everything; ``ep_layout`` is SGLang's EP state
+        (``ep_placement.EPLayout``; None: no EP). ValueError when the settings do not fit
+        the served model or its parallelism."""
+        from sgl_ecospec.predictors import LowRankExpertHead, OnlineExpertPredictor
+        from sglang_ecospec import ep_placement, eps_table, hooks, metrics, routing, selection
+
+        layer_ids, num_experts, top_k = routing.moe_layout(hf_config)
+        if settings.verify_moe_kernel:
+            from sglang_ecospec import verify_moe_hook
+
+            verify_moe_hook.check_device(device)
+            if target_model is None:
+                raise ValueError("verify_moe_kernel needs the target model (its class is hooked)")
+        ep_layout = ep_layout or ep_placement.EPLayout()
+        placement = None
+        if settings.ep_cost and ep_layout.ep_size > 1:
+            placement = ep_placement.ExpertPlacement(ep_layout, layer_ids, num_experts, device)
+        table = None
+        if settings.eps_auto:
+            table = eps_table.cost_model_eps_table(
+                settings.profile,
+                settings.hardware,
+                moe_layers=len(layer_ids),
+                num_experts=num_experts,
+                top_k=top_k,
+                verify_tokens=num_draft_tokens,
+                max_batch=max_batch,
+                ep_size=ep_layout.ep_size if placement is not None else 1,
+            )
+        shape = {"num_layers": len(layer_ids), "num_experts": num_experts, "top_k": top_k}
+        if settings.predictor == "head":
+            # The draft reads the target's token embeddings: its hidden size is the target's.
+            predictor = LowRankExpertHead.load(
+                settings.predictor_file,
+                device=device,
+                hidden_size=routing.text_config(hf_config).hidden_size,
+                **shape,
+            )
+        elif settings.predictor_file:
+            predictor = OnlineExpertPredictor.load(settings.predictor_file, device=device, **shape)
+        else:
+            predictor = OnlineExpertPredictor(
+                len(layer_ids),
+                num_experts,
+                top_k,
+                num_buckets=settings.num_buckets,
+                prior_weight=settings.prior_weight,
+                halve_every=settings.halve_every,
+                device=device,
+            )
+        self.settings = settings
+        self.predictor = predictor
+        self.placement = placement
+        self.selector = selection.EcoSpecSelector(
+            settings,
+            predictor,
+            topk=topk,
+            num_draft_tokens=num_draft_tokens,
+            max_batch=max_batch,
+            device=device,
+            placement=placement,
+            eps_table=table,
+        )
+        self.capture = routing.RoutingCapture(
+            layer_ids, top_k, max_batch * num_draft_tokens, device
+        )
+        self.stats = routing.VerifyStats(num_experts, device)
+        self.log_window = self.stats.window()  # the "EcoSpec:" line
+        self.decode_log_window = self.stats.window()  # SGLang's decode log line, /metrics
+        self.summaries: list[dict] = []  # what the "EcoSpec:" lines reported
+        self._warned_overflow = False
+        self.verify_moe = None  # the verify-MoE kernel's route (setting verify_moe_kernel)
+        bindings = [
+            selection.slot.bind(self.selector),
+            routing.slot.bind(self.capture),
+            metrics.slot.bind(self.decode_log_window),
+        ]
+        if placement is not None:
+            bindings.append(ep_placement.slot.bind(placement))
+        if settings.verify_moe_kernel:
+            self.verify_moe = verify_moe_hook.VerifyMoeRoute()
+            forward = verify_moe_hook.model_forward_hook(type(target_model))
+            bindings.append(verify_moe_hook.slot.bind(self.verify_moe, forward))
+        self._bindings = bindings
+        hooks.activate(bindings)
+        logger.info(
+            "%s active: %d MoE layers x %d experts (top-%d), predictor %s, policy %s, eps %s, "
+            "share_buffer %s, EP cost %s, learn %s, verify-MoE kernel %s",
+            NAME,
+            len(layer_ids),
+            num_experts,
+            top_k,
+            settings.predictor,
+            settings.policy,
+            settings.eps,
+            settings.share_buffer,
+            f"over {placement.num_ranks} ranks" if placement is not None else "off",
+            settings.learn,
+            "on" if self.verify_moe is not None else "off",
+        )
+
+    def before_decode(self, spec_info) -> None:
+        """Seeds the selector with the batch's bonus tokens (the draft trees' roots)."""
+        roots = None
+        if spec_info is not None and spec_info.is_draft_input():
+            roots = getattr(spec_info, "bonus_tokens", None)
+        self.selector.set_roots(roots)
+
+    def after_verify(self, verify_input) -> None:
+        """Learns from and measures the routing of the verify pass that just ran."""
+        tokens = getattr(verify_input, "draft_token", None)
+        if tokens is None or tokens.numel() == 0:
+            return
+        count = tokens.numel()
+        if count > self.capture.max_tokens:
+            if not self._warned_overflow:
+                logger.warning(
+                    "%s: %d verify tokens exceed the routing buffer; not learning", NAME, count
+                )
+                self._warned_overflow = True
+            return
+        tokens = tokens.flatten().long()
+        routing_ids = self.capture.verify_routing(count)  # [T, L, K]
+        # What selection predicted for these rows, before any learning from them.
+        predicted = self.selector.verify_topk[:count].long()  # [T, L, K]
+        self.stats.update(routing_ids, predicted)
+        if self.settings.learn and not self.predictor.needs_hidden:
+            self.predictor.observe(tokens, routing_ids, validate=False)
+        interval = self.settings.log_interval
+        if interval and self.log_window.pending_steps >= interval:
+            summary = self.log_window.read()
+            self.summaries.append(summary)
+            logger.info(
+                "EcoSpec: %d verify steps, unique experts/layer/step %.2f, predictor recall "
+                "%.3f, verify tokens/step %.1f",
+                summary["verify_steps"],
+                summary["unique_experts_per_layer"],
+                summary["predictor_recall"],
+                summary["verify_tokens_per_step"],
+            )
+
+    def close(self) -> None:
+        """Empties the hook slots this runtime still holds (SGLang's code runs again)."""
+        from sglang_ecospec import hooks
+
+        hooks.deactivate(self._bindings)

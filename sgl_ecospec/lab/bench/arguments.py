@@ -1,0 +1,70 @@
+"""Command-line arguments shared by ``bench``, ``sweep`` and ``train-head``.
+
+Parsing only: the values are checked where the configuration is built
+(``sgl_ecospec.lab.config``).
+"""
+
+import argparse
+
+PREDICTORS = ("online", "oracle", "head")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_tree_arguments(group) -> None:
+    """--topk, --steps, --budget: the draft tree and its verify budget (bench and sweep)."""
+    group.add_argument("--topk", type=int, default=4, help="draft tree branching")
+    group.add_argument("--steps", type=int, default=3, help="draft tree depth")
+    group.add_argument("--budget", type=int, default=4, help="draft tokens verified per request")
+
+
+def add_predictor_arguments(group) -> None:
+    """``--predictor`` and ``--predictor-file`` (shared by ``bench`` and ``sweep``)."""
+    group.add_argument(
+        "--predictor",
+        choices=PREDICTORS,
+        default="online",
+        help="online: routing counts learnt while decoding; oracle: the true routing; head: "
+        "a trained LowRankExpertHead (--predictor-file, from `sgl-ecospec train-head`)",
+    )
+    group.add_argument(
+        "--predictor-file",
+        metavar="FILE",
+        help="the head for --predictor head, or a saved online predictor to start from "
+        "(every run starts from the file)",
+    )
+
+
+def add_share_buffer_argument(group, help: str) -> None:
+    """``--share-buffer`` / ``--no-share-buffer`` (on by default)."""
+    group.add_argument(
+        "--share-buffer", action=argparse.BooleanOptionalAction, default=True, help=help
+    )
+
+
+def add_model_arguments(parser) -> None:
+    """The "models" group: --target, --draft, --small, --device, --dtype. Without
+    --target/--draft the commands use the testbed, built (announced on stderr) when missing."""
+    models = parser.add_argument_group("models")
+    models.add_argument("--target", metavar="DIR", help="target checkpoint (default: testbed)")
+    models.add_argument("--draft", metavar="DIR", help="EAGLE-3 draft checkpoint")
+    models.add_argument("--small", action="store_true", help="use the small testbed")
+    models.add_argument("--device", default="cpu")
+    models.add_argument("--dtype", choices=DTYPES, default="float32")
+
+
+def add_output_arguments(parser, *, default_plot: str, plot_help: str):
+    """The "output" group with --json and --plot (``default_plot`` without a file name);
+    returns the group."""
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    out.add_argument("--plot", nargs="?", const=default_plot, metavar="FILE", help=plot_help)
+    return out
+
+
+def add_check_lossless_argument(group) -> None:
+    """--check-lossless: exit 1 at the first output unlike the target's greedy one."""
+    group.add_argument(
+        "--check-lossless",
+        action="store_true",
+        help="fail (exit 1) on the first output that differs from the target's greedy one",
+    )

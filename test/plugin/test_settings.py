@@ -1,0 +1,105 @@
+"""EcoSpec's settings: defaults, environment and file overrides, errors that name the problem."""
+
+import json
+
+import pytest
+from sglang_ecospec.settings import EcoSpecSettings, EcoSpecSettingsError
+
+
+def test_settings_defaults_and_env_overrides(tmp_path):
+    assert EcoSpecSettings.from_env({}) == EcoSpecSettings()
+    config = tmp_path / "ecospec.json"
+    config.write_text(json.dumps({"eps": 0.5, "policy": "confidence", "log_interval": 7}))
+    settings = EcoSpecSettings.from_env(
+        {
+            "SGLANG_ECOSPEC_CONFIG": str(config),
+            "SGLANG_ECOSPEC_EPS": "0.25",  # the variable wins over the file
+            "SGLANG_ECOSPEC_SHARE_BUFFER": "false",
+            "SGLANG_ECOSPEC_PREDICTOR_FILE": "none",
+            "OTHER": "ignored",
+        }
+    )
+    assert settings.eps == 0.25 and settings.policy == "confidence"
+    assert settings.share_buffer is False and settings.log_interval == 7
+    assert settings.predictor_file is None
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"SGLANG_ECOSPEC_EPSILON": "1"}, "unknown EcoSpec setting SGLANG_ECOSPEC_EPSILON"),
+        ({"SGLANG_ECOSPEC_EPS": "0"}, "eps must be"),
+        ({"SGLANG_ECOSPEC_EPS": "nan"}, "eps must be"),
+        ({"SGLANG_ECOSPEC_LEARN": "maybe"}, "not a valid bool"),
+        ({"SGLANG_ECOSPEC_POLICY": "fastest"}, "policy must be one of"),
+        ({"SGLANG_ECOSPEC_PREDICTOR": "oracle"}, "predictor must be one of"),
+        ({"SGLANG_ECOSPEC_PREDICTOR_FILE": "/no/such/file"}, "does not exist"),
+        ({"SGLANG_ECOSPEC_NUM_BUCKETS": "0"}, "num_buckets"),
+        ({"SGLANG_ECOSPEC_CONFIG": "/no/such.json"}, "no such file"),
+        ({"SGLANG_ECOSPEC_POLICY": "adaptive"}, "fixed per step.*--adaptive-config"),
+        ({"SGLANG_ECOSPEC_EPS": "fast"}, "eps must be a finite number > 0 or 'auto'"),
+        ({"SGLANG_ECOSPEC_EPS": "auto"}, "eps='auto' needs profile and hardware"),
+        (
+            {"SGLANG_ECOSPEC_EPS": "auto", "SGLANG_ECOSPEC_PROFILE": "qwen3-235b-a22b"},
+            "eps='auto' needs hardware: hardware: its GPUs \\(one of h100, h200",
+        ),
+        (
+            {
+                "SGLANG_ECOSPEC_EPS": "auto",
+                "SGLANG_ECOSPEC_PROFILE": "llama",
+                "SGLANG_ECOSPEC_HARDWARE": "h200",
+            },
+            "unknown model 'llama'; valid: qwen3-235b-a22b, qwen3-30b-a3b",
+        ),
+        (
+            {
+                "SGLANG_ECOSPEC_EPS": "auto",
+                "SGLANG_ECOSPEC_PROFILE": "qwen3-30b-a3b",
+                "SGLANG_ECOSPEC_HARDWARE": "tpu",
+            },
+            "unknown hardware 'tpu'",
+        ),
+        (
+            {"SGLANG_ECOSPEC_HARDWARE": "h200"},
+            "hardware set but eps = 0.1: .* only with eps='auto'",
+        ),
+        ({"SGLANG_ECOSPEC_TOTAL_WEIGHT": "1.5"}, "total_weight must lie in"),
+        ({"SGLANG_ECOSPEC_EP_COST": "2"}, "not a valid bool"),
+    ],
+)
+def test_settings_errors_name_the_problem(env, message):
+    with pytest.raises(EcoSpecSettingsError, match=message):
+        EcoSpecSettings.from_env(env)
+
+
+def test_settings_eps_auto_and_ep_fields(tmp_path):
+    settings = EcoSpecSettings.from_env(
+        {
+            "SGLANG_ECOSPEC_EPS": "auto",
+            "SGLANG_ECOSPEC_PROFILE": "qwen3-30b-a3b",
+            "SGLANG_ECOSPEC_HARDWARE": "8xh200",
+            "SGLANG_ECOSPEC_EP_COST": "false",
+            "SGLANG_ECOSPEC_TOTAL_WEIGHT": "0.25",
+        }
+    )
+    assert settings.eps_auto and settings.hardware == "8xh200"
+    assert settings.ep_cost is False and settings.total_weight == 0.25
+    assert not EcoSpecSettings().eps_auto and EcoSpecSettings().ep_cost
+    config = tmp_path / "ecospec.json"
+    config.write_text(json.dumps({"eps": "auto", "profile": "deepseek-v3", "hardware": "h100"}))
+    assert EcoSpecSettings.from_env({"SGLANG_ECOSPEC_CONFIG": str(config)}).eps_auto
+    config.write_text(json.dumps({"eps": 2}))  # a JSON int is a number
+    assert EcoSpecSettings.from_env({"SGLANG_ECOSPEC_CONFIG": str(config)}).eps == 2
+    config.write_text(json.dumps({"eps": [1]}))
+    with pytest.raises(EcoSpecSettingsError, match="'eps' .* must be float or str"):
+        EcoSpecSettings.from_env({"SGLANG_ECOSPEC_CONFIG": str(config)})
+
+
+def test_settings_file_rejects_unknown_keys_and_wrong_types(tmp_path):
+    config = tmp_path / "bad.json"
+    config.write_text(json.dumps({"epsilon": 1.0}))
+    with pytest.raises(EcoSpecSettingsError, match="unknown EcoSpec settings"):
+        EcoSpecSettings.from_env({"SGLANG_ECOSPEC_CONFIG": str(config)})
+    config.write_text(json.dumps({"share_buffer": "yes"}))
+    with pytest.raises(EcoSpecSettingsError, match="must be bool"):
+        EcoSpecSettings.from_env({"SGLANG_ECOSPEC_CONFIG": str(config)})
