@@ -151,12 +151,8 @@ def _select(scores, parents, bitmaps, budget, options, placement, layer_weights=
         bitmaps[:, 1:],
         budget,
         root_experts=bitmaps[:, 0],
-        policy=options.policy,
-        eps=options.eps,
-        share_buffer=options.share_buffer,
         layer_weights=layer_weights,
-        step_tokens=options.step_tokens,
-        step_cost=options.step_cost,
         validate=False,
+        **options.op_keywords(),
         **ep,
     )

@@ -84,6 +84,17 @@ class SelectionOptions:
                 "gives it)"
             )
 
+    def op_keywords(self) -> dict:
+        """The keywords of :func:`select_verify_set` these options set (``total_weight``
+        goes with an EP placement only)."""
+        return {
+            "policy": self.policy,
+            "eps": self.eps,
+            "share_buffer": self.share_buffer,
+            "step_tokens": self.step_tokens,
+            "step_cost": self.step_cost,
+        }
+
     def with_eps(self, eps: float) -> "SelectionOptions":
         """These options with another eps (e.g. the cost model's for this batch size)."""
         return self if eps == self.eps else dataclasses.replace(self, eps=eps)

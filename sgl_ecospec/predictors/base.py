@@ -185,3 +185,37 @@ class ExpertPredictor(abc.ABC):
         )
         if validate:
             check_expert_ids(topk_ids, self.num_experts)
+
+
+class CheckedExpertPredictor(ExpertPredictor):
+    """An :class:`ExpertPredictor` whose :meth:`predict_topk` and :meth:`observe` check their
+    inputs here, once for every subclass, and hand the checked inputs to :meth:`_predict`
+    and :meth:`_learn`; a subclass says what it requires in :meth:`_check_inputs`.
+
+    The public methods keep the signatures and docstrings of :class:`ExpertPredictor`, so
+    subclasses restate neither.
+    """
+
+    def predict_topk(self, token_ids, hidden=None, *, validate=False) -> torch.Tensor:
+        self._check_inputs(token_ids, hidden, validate)
+        return self._predict(token_ids, hidden)
+
+    def observe(self, token_ids, topk_ids, hidden=None, *, validate=True) -> None:
+        num_tokens = self._check_inputs(token_ids, hidden, validate, observing=True)
+        self._check_topk_ids(topk_ids, num_tokens, validate)
+        self._learn(token_ids, topk_ids, hidden)
+
+    @abc.abstractmethod
+    def _check_inputs(self, token_ids, hidden, validate: bool, *, observing=False) -> int:
+        """Raises unless ``token_ids`` / ``hidden`` are what this predictor reads; returns T.
+
+        ``observing`` is True for :meth:`observe` (error messages may say what is learnt).
+        """
+
+    @abc.abstractmethod
+    def _predict(self, token_ids, hidden) -> torch.Tensor:
+        """:meth:`predict_topk` on checked inputs."""
+
+    @abc.abstractmethod
+    def _learn(self, token_ids, topk_ids: torch.Tensor, hidden) -> None:
+        """:meth:`observe` on checked inputs."""

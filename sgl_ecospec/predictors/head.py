@@ -9,7 +9,7 @@ import os
 import torch
 
 from sgl_ecospec.ops.checks import FLOAT_DTYPES, check_int, check_tensor
-from sgl_ecospec.predictors.base import ExpertPredictor, multi_hot
+from sgl_ecospec.predictors.base import CheckedExpertPredictor, multi_hot
 from sgl_ecospec.predictors.online import check_buckets, hash_buckets
 from sgl_ecospec.predictors.state import (
     HEAD_FORMAT,
@@ -22,7 +22,7 @@ from sgl_ecospec.predictors.state import (
 _RMS_EPS = 1e-6
 
 
-class LowRankExpertHead(torch.nn.Module, ExpertPredictor):
+class LowRankExpertHead(torch.nn.Module, CheckedExpertPredictor):
     """Per-layer expert logits from a candidate's context (drafter hidden state) and token.
 
     ``z = down(rms_normalise(hidden)) + token_embedding[bucket(token)]`` (width ``rank``),
@@ -31,6 +31,8 @@ class LowRankExpertHead(torch.nn.Module, ExpertPredictor):
     (early MoE layers route mostly by token), the hidden term what tells apart one token in
     different contexts (which a count table per token cannot). The bottleneck keeps the head
     small (``rank * (H + buckets + L * E)`` weights) and shares what it learns across layers.
+    ``predict_topk`` returns the top-K experts by logit; both it and ``observe`` require
+    ``hidden`` ``[T, H]``, and take ``token_ids=None`` only without a token term.
 
     Args:
         hidden_size: H.
@@ -60,7 +62,7 @@ class LowRankExpertHead(torch.nn.Module, ExpertPredictor):
     ):
         # nn.Module.__init__ does not chain to the other base, so both run explicitly.
         torch.nn.Module.__init__(self)
-        ExpertPredictor.__init__(self, num_layers, num_experts, top_k)
+        CheckedExpertPredictor.__init__(self, num_layers, num_experts, top_k)
         self.hidden_size = check_int("hidden_size", hidden_size, minimum=1)
         self.rank = check_int("rank", rank, minimum=1)
         self.token_buckets = check_buckets("token_buckets", token_buckets, minimum=0)
@@ -110,46 +112,14 @@ class LowRankExpertHead(torch.nn.Module, ExpertPredictor):
         logits = self.up(torch.nn.functional.silu(z))
         return logits.view(-1, self.num_layers, self.num_experts)
 
-    def predict_topk(
-        self,
-        token_ids: torch.Tensor | None,
-        hidden: torch.Tensor | None = None,
-        *,
-        validate: bool = False,
-    ) -> torch.Tensor:
-        """Top-K experts per layer by logit.
-
-        Args:
-            token_ids: int32 or int64, shape ``[T]`` (None only without a token term).
-            hidden: float, shape ``[T, H]``: drafter hidden states (required).
-            validate: check token ids are >= 0 (a host sync on GPU).
-
-        Returns:
-            int64, shape ``[T, L, K]``, highest logit first.
-        """
-        self._check_inputs(token_ids, hidden, validate)
+    def _predict(self, token_ids, hidden) -> torch.Tensor:
+        # Top-K experts per layer by logit, highest first.
         with torch.no_grad():
             return torch.topk(self._logits(hidden, token_ids), self.top_k, dim=-1).indices
 
-    def observe(
-        self,
-        token_ids: torch.Tensor | None,
-        topk_ids: torch.Tensor,
-        hidden: torch.Tensor | None = None,
-        *,
-        validate: bool = True,
-    ) -> None:
-        """One Adam step (lr = ``self.lr``) of BCE-with-logits against the true routing;
-        nothing when the head is frozen (lr 0).
-
-        Args:
-            token_ids: int32 or int64, shape ``[T]`` (None only without a token term).
-            topk_ids: int32 or int64, shape ``[T, L, K]``: the target's expert ids.
-            hidden: float, shape ``[T, H]``: drafter hidden states (required).
-            validate: check token ids >= 0 and expert ids in [0, E) (host syncs on GPU).
-        """
-        num_tokens = self._check_inputs(token_ids, hidden, validate)
-        self._check_topk_ids(topk_ids, num_tokens, validate)
+    def _learn(self, token_ids, topk_ids: torch.Tensor, hidden) -> None:
+        # One Adam step (lr = self.lr) of BCE-with-logits against the true routing; nothing
+        # when the head is frozen (lr 0).
         if self.lr == 0:
             return
         if self._optimizer is None:
@@ -234,7 +204,7 @@ class LowRankExpertHead(torch.nn.Module, ExpertPredictor):
                 f"{tuple(hidden.shape)}"
             )
 
-    def _check_inputs(self, token_ids, hidden, validate: bool) -> int:
+    def _check_inputs(self, token_ids, hidden, validate: bool, *, observing=False) -> int:
         self._check_hidden(hidden)
         if token_ids is None:
             if self.token_buckets:

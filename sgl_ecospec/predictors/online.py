@@ -10,7 +10,7 @@ import os
 import torch
 
 from sgl_ecospec.ops.checks import INDEX_DTYPES, check_int, check_tensor
-from sgl_ecospec.predictors.base import ExpertPredictor, multi_hot
+from sgl_ecospec.predictors.base import CheckedExpertPredictor, multi_hot
 from sgl_ecospec.predictors.state import (
     ONLINE_FORMAT,
     STATE_VERSION,
@@ -54,7 +54,7 @@ def check_buckets(name: str, value: int, minimum: int) -> int:
     return value
 
 
-class OnlineExpertPredictor(ExpertPredictor):
+class OnlineExpertPredictor(CheckedExpertPredictor):
     """Per-token routing statistics, learnt online from the target's verified routing.
 
     A token's prediction is the K experts it was routed to most often per layer. Counts live
@@ -65,8 +65,9 @@ class OnlineExpertPredictor(ExpertPredictor):
     between equally counted experts (with ``prior_weight`` < 1 it never outvotes one
     observation).
 
-    ``predict_topk`` and ``observe`` run a fixed number of batched kernels and no host sync
-    when ``validate=False``, so they can be captured in CUDA graphs.
+    ``predict_topk`` (most frequent experts of the token's bucket) and ``observe`` (one count
+    per token, layer and routed expert) ignore ``hidden``, and run a fixed number of batched
+    kernels and no host sync when ``validate=False``, so they can be captured in CUDA graphs.
 
     Args:
         num_layers: L.
@@ -128,50 +129,21 @@ class OnlineExpertPredictor(ExpertPredictor):
         """
         return hash_buckets(token_ids, self.num_buckets, self.device)
 
-    def predict_topk(
-        self,
-        token_ids: torch.Tensor | None,
-        hidden: torch.Tensor | None = None,
-        *,
-        validate: bool = False,
-    ) -> torch.Tensor:
-        """Most frequent experts of each token's bucket, prior-ranked where counts tie.
-
-        Args:
-            token_ids: int32 or int64, shape ``[T]``: candidate token ids (>= 0).
-            hidden: ignored (this predictor reads token ids only).
-            validate: check token ids are >= 0 (a host sync on GPU).
-
-        Returns:
-            int64, shape ``[T, L, K]``, most likely first.
-        """
+    def _check_inputs(self, token_ids, hidden, validate: bool, *, observing=False) -> int:
+        # hidden is ignored: this predictor reads token ids only.
         if token_ids is None:
+            if observing:
+                raise ValueError("OnlineExpertPredictor learns per token id: pass token_ids [T]")
             raise ValueError("OnlineExpertPredictor predicts from token ids: pass token_ids [T]")
-        self._check_token_ids(token_ids, validate)
+        return self._check_token_ids(token_ids, validate)
+
+    def _predict(self, token_ids, hidden) -> torch.Tensor:
+        # Most frequent experts of each token's bucket, prior-ranked where counts tie.
         scores = self.counts[self.bucket_ids(token_ids)] + self._prior_pseudo_counts()
         return torch.topk(scores, self.top_k, dim=-1).indices
 
-    def observe(
-        self,
-        token_ids: torch.Tensor | None,
-        topk_ids: torch.Tensor,
-        hidden: torch.Tensor | None = None,
-        *,
-        validate: bool = True,
-    ) -> None:
-        """Adds one count per (token, layer, routed expert) to the token's bucket.
-
-        Args:
-            token_ids: int32 or int64, shape ``[T]``: verified token ids (>= 0).
-            topk_ids: int32 or int64, shape ``[T, L, K]``: the target's expert ids.
-            hidden: ignored.
-            validate: check token ids >= 0 and expert ids in [0, E) (host syncs on GPU;
-                pass False inside CUDA graphs).
-        """
-        if token_ids is None:
-            raise ValueError("OnlineExpertPredictor learns per token id: pass token_ids [T]")
-        num_tokens = self._check_token_ids(token_ids, validate)
-        self._check_topk_ids(topk_ids, num_tokens, validate)
+    def _learn(self, token_ids, topk_ids: torch.Tensor, hidden) -> None:
+        # One count per (token, layer, routed expert) in the token's bucket.
         hot = multi_hot(topk_ids.to(self.device), self.num_experts, validate=False)
         # index_add_ accumulates repeated buckets in the batch, so a batch equals the same
         # pairs fed one at a time. Every update is in place: a CUDA graph captured around
