@@ -3,7 +3,6 @@ architecture), an EAGLE-3 draft fitted to it in seconds, and a byte-level chat t
 
 import torch
 import torch.nn.functional as F
-from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
 from sgl_ecospec.lab.eagle3 import (
     Eagle3Config,
@@ -14,20 +13,34 @@ from sgl_ecospec.lab.eagle3 import (
 )
 
 VOCAB, HIDDEN, LAYERS, EXPERTS, TOP_K = 512, 64, 4, 16, 4
+INTERMEDIATE, HEADS, KV_HEADS = 128, 4, 2
 AUX = [0, 1, 2]
 
 
+def eagle3_draft(counts, hidden, intermediate, heads, kv_heads, draft_vocab, aux, std, seed=0):
+    """A fresh EAGLE-3 draft (``init_weights`` with ``std`` and ``seed``) over a vocab of
+    ``len(counts)`` ids, whose draft vocab keeps the ``draft_vocab`` most counted ones."""
+    config = Eagle3Config(
+        hidden, intermediate, heads, kv_heads, len(counts), draft_vocab, list(aux)
+    )
+    draft = init_weights(Eagle3Draft(config), std=std, seed=seed)
+    draft.set_vocab_maps(*build_vocab_maps(counts, draft_vocab))
+    return draft
+
+
 def tiny_target():
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
     torch.manual_seed(0)
     config = Qwen2MoeConfig(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
-        intermediate_size=128,
+        intermediate_size=INTERMEDIATE,
         moe_intermediate_size=32,
         shared_expert_intermediate_size=64,
         num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
         num_experts=EXPERTS,
         num_experts_per_tok=TOP_K,
         max_position_embeddings=512,
@@ -45,17 +58,7 @@ def train_draft(target, sequences, steps=80):
     counts = torch.zeros(VOCAB)
     for seq in sequences:
         counts += torch.bincount(torch.tensor(seq), minlength=VOCAB)
-    config = Eagle3Config(
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        draft_vocab_size=256,
-        aux_layer_ids=AUX,
-    )
-    draft = init_weights(Eagle3Draft(config), std=0.05)
-    draft.set_vocab_maps(*build_vocab_maps(counts, config.draft_vocab_size))
+    draft = eagle3_draft(counts, HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, 256, AUX, std=0.05)
     # One right-padded batch: causal attention keeps padding out of the real rows' inputs,
     # and its labels are ignored.
     width = max(len(seq) for seq in sequences)

@@ -72,29 +72,35 @@ def enable() -> None:
     from sglang_ecospec_cpu import attention, kernels, ops
 
     ops.register_ops()
-    if os.environ.get(KEEP_SGLANG_MASK_ENV) == "1":
-        logger.warning(
-            "%s=1: keeping SGLang's CPU tree-mask choice (QLEN_ONLY), which the "
-            "Triton verify kernel misreads",
-            KEEP_SGLANG_MASK_ENV,
-        )
-    else:
+
+    def register_tree_mask_hook():
         HookRegistry.register(TREE_MASK_TARGET, tree_mask_mode, HookType.REPLACE)
-    if os.environ.get(TRITON_ATTENTION_ENV) == "1":
-        logger.warning(
-            "%s=1: attention runs SGLang's Triton kernels under the interpreter (slow)",
+
+    # Each part can be switched off by its debug variable, to compare with SGLang's own.
+    parts = (
+        (
+            KEEP_SGLANG_MASK_ENV,
+            "keeping SGLang's CPU tree-mask choice (QLEN_ONLY), which the Triton verify "
+            "kernel misreads",
+            register_tree_mask_hook,
+        ),
+        (
             TRITON_ATTENTION_ENV,
-        )
-    else:
-        attention.register_hooks()
-    if os.environ.get(TRITON_KERNELS_ENV) == "1":
-        logger.warning(
-            "%s=1: the shared-expert gate and the draft KV lists run SGLang's Triton kernels "
-            "under the interpreter (slow)",
+            "attention runs SGLang's Triton kernels under the interpreter (slow)",
+            attention.register_hooks,
+        ),
+        (
             TRITON_KERNELS_ENV,
-        )
-    else:
-        kernels.register_hooks()
+            "the shared-expert gate and the draft KV lists run SGLang's Triton kernels "
+            "under the interpreter (slow)",
+            kernels.register_hooks,
+        ),
+    )
+    for env, kept, register in parts:
+        if os.environ.get(env) == "1":
+            logger.warning("%s=1: %s", env, kept)
+        else:
+            register()
     _enabled = True
     logger.info("sglang_ecospec: CPU development mode on (no GPU, SGLANG_USE_CPU_ENGINE=1)")
 

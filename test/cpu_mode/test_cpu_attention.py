@@ -129,6 +129,18 @@ EXTEND_CASES = [
 ]
 
 
+def windowed_kwargs(options, heads, dim, gen):
+    """The keyword arguments the extend and unified kernels share, from a case's options
+    (the sinks drawn from ``gen``)."""
+    return dict(
+        sm_scale=dim**-0.5,
+        logit_cap=options.get("logit_cap", 0.0),
+        sliding_window_size=options.get("window", -1),
+        sinks=torch.randn(heads, generator=gen) if options.get("sinks") else None,
+        xai_temperature_len=options.get("xai", -1),
+    )
+
+
 def extend_inputs(case, seed=0):
     _, prefix_lens, extend_lens, heads, kv_heads, dim, options = case
     gen = torch.Generator().manual_seed(seed)
@@ -164,12 +176,8 @@ def extend_inputs(case, seed=0):
         options.get("v_scale", 1.0),
     ]
     kwargs = dict(
-        sm_scale=dim**-0.5,
-        logit_cap=options.get("logit_cap", 0.0),
+        windowed_kwargs(options, heads, dim, gen),
         skip_prefix_custom_mask=options.get("skip_prefix_custom_mask", True),
-        sliding_window_size=options.get("window", -1),
-        sinks=torch.randn(heads, generator=gen) if options.get("sinks") else None,
-        xai_temperature_len=options.get("xai", -1),
         lse_extend=lse,
         skip_extend=options.get("skip_extend", False),
     )
@@ -199,14 +207,7 @@ def unified_inputs(case, seed=0):
     o = torch.full((tokens, heads, dim), 7.0)
     qo_indptr = torch.zeros(len(extend_lens) + 1, dtype=torch.int32)
     qo_indptr[1:] = torch.tensor(extend_lens).cumsum(0)
-    kwargs = dict(
-        sm_scale=dim**-0.5,
-        logit_cap=options.get("logit_cap", 0.0),
-        is_causal=options.get("causal", True),
-        sliding_window_size=options.get("window", -1),
-        sinks=torch.randn(heads, generator=gen) if options.get("sinks") else None,
-        xai_temperature_len=options.get("xai", -1),
-    )
+    kwargs = dict(windowed_kwargs(options, heads, dim, gen), is_causal=options.get("causal", True))
     if options.get("mask"):
         # the unified mask has E rows of N = P + E cells: the FULL_MASK layout
         kwargs["custom_mask"], kwargs["mask_indptr"] = tree_mask(prefix_lens, extend_lens, gen)

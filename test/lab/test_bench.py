@@ -2,7 +2,6 @@
 checks, and the whole command on a fake engine (JSON schema, table, plot, lossless check)."""
 
 import argparse
-import dataclasses
 import json
 import sys
 import types
@@ -24,19 +23,10 @@ from sgl_ecospec.costmodel import (
 from sgl_ecospec.lab.bench import cli as bench_cli
 from sgl_ecospec.lab.bench import metrics, runs
 from sgl_ecospec.lab.config import BenchConfig
+from sgl_ecospec.lab.engine import SpecConfig
+from sgl_ecospec.lab.engine.stats import StepStats as Step
 
 QWEN3 = get_model("qwen3-235b-a22b")
-
-
-@dataclasses.dataclass
-class Step:
-    """The engine's StepStats, as the bench reads it."""
-
-    batch_size: int
-    verified_tokens: int
-    accepted: list
-    unique_experts: list
-    recall: float | None = None
 
 
 @pytest.fixture(scope="module")
@@ -202,16 +192,6 @@ def test_argparse_rejects_unknown_predictor(capsys):
 E, K, L = 16, 2, 3
 
 
-@dataclasses.dataclass
-class FakeSpecConfig:
-    topk: int = 4
-    num_steps: int = 3
-    budget: int = 4
-    policy: str = "confidence"
-    eps: float = 0.1
-    share_buffer: bool = True
-
-
 class FakeTokenizer:
     chat_template = "{{ messages }}"
 
@@ -275,7 +255,7 @@ class FakeEngine:
 @pytest.fixture
 def fake_engine(monkeypatch):
     module = types.ModuleType("sgl_ecospec.lab.engine")
-    module.SpecConfig, module.OfflineEngine = FakeSpecConfig, FakeEngine
+    module.SpecConfig, module.OfflineEngine = SpecConfig, FakeEngine
     monkeypatch.setitem(sys.modules, "sgl_ecospec.lab.engine", module)
     monkeypatch.setattr(FakeEngine, "corrupt", False)
     monkeypatch.setattr(FakeEngine, "logit_step", 1.0)

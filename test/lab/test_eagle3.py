@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from _models import eagle3_draft
 
 from sgl_ecospec.lab.eagle3 import (
     Eagle3Config,
@@ -11,7 +12,6 @@ from sgl_ecospec.lab.eagle3 import (
     _apply_rotary,
     build_vocab_maps,
     check_vocab_maps,
-    init_weights,
     training_pairs,
 )
 
@@ -37,19 +37,8 @@ CHECKPOINT_KEYS = {
 
 
 def make_draft(seed=0, aux=(0, 1, 2)):
-    config = Eagle3Config(
-        hidden_size=HIDDEN,
-        intermediate_size=48,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        vocab_size=VOCAB,
-        draft_vocab_size=DRAFT_VOCAB,
-        aux_layer_ids=list(aux),
-    )
-    draft = init_weights(Eagle3Draft(config), std=0.2, seed=seed)
     counts = torch.rand(VOCAB, generator=torch.Generator().manual_seed(seed))
-    draft.set_vocab_maps(*build_vocab_maps(counts, DRAFT_VOCAB))
-    return draft.eval()
+    return eagle3_draft(counts, HIDDEN, 48, HEADS, KV_HEADS, DRAFT_VOCAB, aux, 0.2, seed).eval()
 
 
 def random_inputs(batch, rows, seed=1, width=3 * HIDDEN):

@@ -16,23 +16,10 @@ from sgl_ecospec.lab.bench import ep_cost, sweep, sweep_plan, sweep_report
 from sgl_ecospec.lab.bench.runs import performance_model
 from sgl_ecospec.lab.config import SweepConfig
 from sgl_ecospec.lab.engine import SpecConfig
-from sgl_ecospec.lab.engine.stats import rank_loads
+from sgl_ecospec.lab.engine.stats import StepStats, rank_loads
 from sgl_ecospec.ops.bitmaps import topk_to_bitmap
 
 QWEN3 = get_model("qwen3-235b-a22b")
-
-
-@dataclasses.dataclass
-class Step:
-    """The engine's StepStats, as the sweep reads it."""
-
-    batch_size: int
-    verified_tokens: int
-    accepted: list
-    unique_experts: list
-    expert_bitmap: torch.Tensor
-    paired_bitmaps: torch.Tensor | None = None
-    paired_scores: list | None = None
 
 
 def step_from_ids(batch, verified, accepted, ids_per_layer, num_experts):
@@ -41,7 +28,7 @@ def step_from_ids(batch, verified, accepted, ids_per_layer, num_experts):
         [topk_to_bitmap(torch.tensor([ids]), num_experts)[0] for ids in ids_per_layer]
     )
     counts = [len(set(ids)) for ids in ids_per_layer]
-    return Step(batch, verified, accepted, counts, bitmap)
+    return StepStats(batch, verified, accepted, counts, expert_bitmap=bitmap)
 
 
 # --- selection constants per batch size ---------------------------------------------------

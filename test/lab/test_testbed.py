@@ -136,6 +136,16 @@ def test_ttt_mask_is_causal_then_diagonal():
     assert torch.equal(mask, torch.cat([causal, eye, eye], 1))
 
 
+# The toy draft's (and its toy target's) shape, as config fields.
+TOY = {
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 40,
+}
+
+
 def _toy_samples(gen, count=16, length=16, vocab=40, hidden=16, aux_layers=2, k=4):
     # The "target" always continues token x with x + 1 (mod vocab), with probability 0.7.
     samples = []
@@ -153,15 +163,7 @@ def _toy_samples(gen, count=16, length=16, vocab=40, hidden=16, aux_layers=2, k=
 def test_draft_training_learns_a_toy_target():
     gen = torch.Generator().manual_seed(0)
     samples = _toy_samples(gen)
-    config = eagle3.Eagle3Config(
-        hidden_size=16,
-        intermediate_size=32,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=40,
-        draft_vocab_size=40,
-        aux_layer_ids=[0, 1],
-    )
+    config = eagle3.Eagle3Config(**TOY, draft_vocab_size=40, aux_layer_ids=[0, 1])
     draft = eagle3.init_weights(eagle3.Eagle3Draft(config))
     # Seeded, so the result does not depend on which tests ran before.
     embed = nn.Embedding.from_pretrained(torch.randn(40, 16, generator=gen))
@@ -177,14 +179,7 @@ def test_read_text_matches_one_forward_per_chunk():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=50,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
+    config = LlamaConfig(**{**TOY, "vocab_size": 50}, num_hidden_layers=3)
     model = LlamaForCausalLM(config).eval()
     chunks = torch.randint(50, (3, 7))
     lines = []
@@ -209,11 +204,7 @@ def test_init_draft_vocabulary_mixes_greedy_and_text_counts():
     samples = _toy_samples(gen, count=4, vocab=40)  # greedy tokens: 1 + start + 0..15
     target = argparse.Namespace(
         config=argparse.Namespace(
-            hidden_size=16,
-            intermediate_size=32,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            vocab_size=40,
+            **TOY,
             rms_norm_eps=1e-6,
             rope_parameters={"rope_theta": 1e4},
             max_position_embeddings=64,

@@ -249,9 +249,9 @@ def test_fake_tensor_tracing():
     assert out.shape == (3, 5) and out.dtype == torch.int64
 
 
-def test_make_fx_traces_the_op():
-    from torch.fx.experimental.proxy_tensor import make_fx
-
+def _over_tensor_args(body):
+    """``(fn, inputs)``: ``fn(*inputs)`` returns ``body(args)`` for the valid select
+    arguments ``args``, taking their tensors as its own arguments (what tracers see)."""
     args = _valid_select_args()
     tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
 
@@ -259,26 +259,26 @@ def test_make_fx_traces_the_op():
         full = list(args)
         for i, t in zip(tensors, ts, strict=True):
             full[i] = t
-        return torch.ops.sgl_ecospec.select_verify_set(*full)
+        return body(full)
 
-    inputs = [args[i] for i in tensors]
+    return fn, [args[i] for i in tensors]
+
+
+def test_make_fx_traces_the_op():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fn, inputs = _over_tensor_args(lambda full: torch.ops.sgl_ecospec.select_verify_set(*full))
     graph = make_fx(fn, tracing_mode="fake")(*inputs)
     assert "sgl_ecospec.select_verify_set" in graph.code
     assert torch.equal(graph(*inputs), fn(*inputs))
 
 
 def test_torch_compile_fullgraph():
-    args = _valid_select_args()
-    tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-
-    def fn(*ts):
-        full = list(args)
-        for i, t in zip(tensors, ts, strict=True):
-            full[i] = t
+    def body(full):
         out = torch.ops.sgl_ecospec.select_verify_set(*full)
         return out, torch.ops.sgl_ecospec.bitmap_popcount(full[2])
 
-    inputs = [args[i] for i in tensors]
+    fn, inputs = _over_tensor_args(body)
     torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True, backend="eager")
     got, expected = compiled(*inputs), fn(*inputs)

@@ -30,15 +30,19 @@ def test_runtime_builds_ep_placement_and_cost_model_eps():
     settings = EcoSpecSettings(
         eps="auto", profile="qwen3-30b-a3b", hardware="2xh200", num_buckets=64, log_interval=0
     )
-    runtime = EcoSpecRuntime(
-        settings,
-        config,
-        topk=4,
-        num_draft_tokens=6,
-        max_batch=40,
-        device="cpu",
-        ep_layout=ep_placement.EPLayout(ep_size=2),
-    )
+
+    def ep2_runtime(settings, max_batch):
+        return EcoSpecRuntime(
+            settings,
+            config,
+            topk=4,
+            num_draft_tokens=6,
+            max_batch=max_batch,
+            device="cpu",
+            ep_layout=ep_placement.EPLayout(ep_size=2),
+        )
+
+    runtime = ep2_runtime(settings, max_batch=40)
     try:
         placement = runtime.selector.placement
         assert placement is runtime.placement and ep_placement.slot.active() is placement
@@ -55,15 +59,7 @@ def test_runtime_builds_ep_placement_and_cost_model_eps():
         runtime.close()
     assert ep_placement.slot.active() is None and selection.slot.active() is None
     # ep_cost=false: no placement even under EP.
-    off = EcoSpecRuntime(
-        EcoSpecSettings(ep_cost=False, num_buckets=64, log_interval=0),
-        config,
-        topk=4,
-        num_draft_tokens=6,
-        max_batch=4,
-        device="cpu",
-        ep_layout=ep_placement.EPLayout(ep_size=2),
-    )
+    off = ep2_runtime(EcoSpecSettings(ep_cost=False, num_buckets=64, log_interval=0), 4)
     off.close()
     assert off.selector.placement is None and off.selector.eps_for(4) == 0.1
 

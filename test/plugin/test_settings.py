@@ -27,49 +27,42 @@ def test_settings_defaults_and_env_overrides(tmp_path):
 @pytest.mark.parametrize(
     "env, message",
     [
-        ({"SGLANG_ECOSPEC_EPSILON": "1"}, "unknown EcoSpec setting SGLANG_ECOSPEC_EPSILON"),
-        ({"SGLANG_ECOSPEC_EPS": "0"}, "eps must be"),
-        ({"SGLANG_ECOSPEC_EPS": "nan"}, "eps must be"),
-        ({"SGLANG_ECOSPEC_LEARN": "maybe"}, "not a valid bool"),
-        ({"SGLANG_ECOSPEC_POLICY": "fastest"}, "policy must be one of"),
-        ({"SGLANG_ECOSPEC_PREDICTOR": "oracle"}, "predictor must be one of"),
-        ({"SGLANG_ECOSPEC_PREDICTOR_FILE": "/no/such/file"}, "does not exist"),
-        ({"SGLANG_ECOSPEC_NUM_BUCKETS": "0"}, "num_buckets"),
-        ({"SGLANG_ECOSPEC_CONFIG": "/no/such.json"}, "no such file"),
-        ({"SGLANG_ECOSPEC_POLICY": "adaptive"}, "fixed per step.*--adaptive-config"),
-        ({"SGLANG_ECOSPEC_EPS": "fast"}, "eps must be a finite number > 0 or 'auto'"),
-        ({"SGLANG_ECOSPEC_EPS": "auto"}, "eps='auto' needs profile and hardware"),
+        ({"EPSILON": "1"}, "unknown EcoSpec setting SGLANG_ECOSPEC_EPSILON"),
+        ({"EPS": "0"}, "eps must be"),
+        ({"EPS": "nan"}, "eps must be"),
+        ({"LEARN": "maybe"}, "not a valid bool"),
+        ({"POLICY": "fastest"}, "policy must be one of"),
+        ({"PREDICTOR": "oracle"}, "predictor must be one of"),
+        ({"PREDICTOR_FILE": "/no/such/file"}, "does not exist"),
+        ({"NUM_BUCKETS": "0"}, "num_buckets"),
+        ({"CONFIG": "/no/such.json"}, "no such file"),
+        ({"POLICY": "adaptive"}, "fixed per step.*--adaptive-config"),
+        ({"EPS": "fast"}, "eps must be a finite number > 0 or 'auto'"),
+        ({"EPS": "auto"}, "eps='auto' needs profile and hardware"),
         (
-            {"SGLANG_ECOSPEC_EPS": "auto", "SGLANG_ECOSPEC_PROFILE": "qwen3-235b-a22b"},
+            {"EPS": "auto", "PROFILE": "qwen3-235b-a22b"},
             "eps='auto' needs hardware: hardware: its GPUs \\(one of h100, h200",
         ),
         (
-            {
-                "SGLANG_ECOSPEC_EPS": "auto",
-                "SGLANG_ECOSPEC_PROFILE": "llama",
-                "SGLANG_ECOSPEC_HARDWARE": "h200",
-            },
+            {"EPS": "auto", "PROFILE": "llama", "HARDWARE": "h200"},
             "unknown model 'llama'; valid: qwen3-235b-a22b, qwen3-30b-a3b",
         ),
         (
-            {
-                "SGLANG_ECOSPEC_EPS": "auto",
-                "SGLANG_ECOSPEC_PROFILE": "qwen3-30b-a3b",
-                "SGLANG_ECOSPEC_HARDWARE": "tpu",
-            },
+            {"EPS": "auto", "PROFILE": "qwen3-30b-a3b", "HARDWARE": "tpu"},
             "unknown hardware 'tpu'",
         ),
         (
-            {"SGLANG_ECOSPEC_HARDWARE": "h200"},
+            {"HARDWARE": "h200"},
             "hardware set but eps = 0.1: .* only with eps='auto'",
         ),
-        ({"SGLANG_ECOSPEC_TOTAL_WEIGHT": "1.5"}, "total_weight must lie in"),
-        ({"SGLANG_ECOSPEC_EP_COST": "2"}, "not a valid bool"),
+        ({"TOTAL_WEIGHT": "1.5"}, "total_weight must lie in"),
+        ({"EP_COST": "2"}, "not a valid bool"),
     ],
 )
 def test_settings_errors_name_the_problem(env, message):
+    """``env`` names the variables without their ``SGLANG_ECOSPEC_`` prefix."""
     with pytest.raises(EcoSpecSettingsError, match=message):
-        EcoSpecSettings.from_env(env)
+        EcoSpecSettings.from_env({f"SGLANG_ECOSPEC_{k}": v for k, v in env.items()})
 
 
 def test_settings_eps_auto_and_ep_fields(tmp_path):

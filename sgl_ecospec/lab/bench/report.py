@@ -12,29 +12,34 @@ import json
 from sgl_ecospec.lab.bench import metrics
 
 # (header, width, getter(run) -> value, format); None prints as "n/a".
-_COLUMNS = (
+_BUDGET_POLICY = (
     ("budget", 6, lambda r: r["budget"], "{:d}"),
     ("policy", 10, lambda r: r["policy"], "{}"),
+)
+_ACCEPT_EXPERTS_P90 = (
     ("accept", 6, lambda r: r["accept_length"], "{:.3f}"),
     ("experts", 7, lambda r: r["experts_per_layer_step"], "{:.2f}"),
     ("p90", 5, lambda r: r["experts_per_layer_step_p90"], "{:.1f}"),
+)
+_RECALL = ("recall", 6, lambda r: r["predictor_recall"], "{:.3f}")
+_LOSSLESS = ("lossless", 8, metrics.lossless_status, "{}")
+_COLUMNS = (
+    *_BUDGET_POLICY,
+    *_ACCEPT_EXPERTS_P90,
     ("uniform", 7, lambda r: r["uniform_experts_per_layer_step"], "{:.2f}"),
-    ("recall", 6, lambda r: r["predictor_recall"], "{:.3f}"),
-    ("lossless", 8, metrics.lossless_status, "{}"),
+    _RECALL,
+    _LOSSLESS,
     ("prof_exp", 8, lambda r: r["predicted"]["experts_per_layer_step"], "{:.2f}"),
     ("GB/step", 7, lambda r: r["predicted"]["expert_bytes_per_step"] / 1e9, "{:.2f}"),
     ("verify_ms", 9, lambda r: r["predicted"]["verify_ms"], "{:.3f}"),
     ("speedup", 7, lambda r: r["predicted"]["speedup"], "{:.3f}"),
 )
 _DATASET_COLUMNS = (
-    ("budget", 6, lambda r: r["budget"], "{:d}"),
-    ("policy", 10, lambda r: r["policy"], "{}"),
+    *_BUDGET_POLICY,
     ("dataset", 12, lambda r: r["dataset"], "{}"),
-    ("accept", 6, lambda r: r["accept_length"], "{:.3f}"),
-    ("experts", 7, lambda r: r["experts_per_layer_step"], "{:.2f}"),
-    ("p90", 5, lambda r: r["experts_per_layer_step_p90"], "{:.1f}"),
-    ("recall", 6, lambda r: r["predictor_recall"], "{:.3f}"),
-    ("lossless", 8, metrics.lossless_status, "{}"),
+    *_ACCEPT_EXPERTS_P90,
+    _RECALL,
+    _LOSSLESS,
 )
 
 
