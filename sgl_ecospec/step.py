@@ -15,6 +15,7 @@ H = draft hidden size.
 """
 
 import dataclasses
+from typing import Protocol
 
 import torch
 
@@ -24,11 +25,18 @@ from sgl_ecospec.ops.selection import SelectionOptions, select_verify_set
 from sgl_ecospec.predictors.base import ExpertPredictor
 
 
+class RankPlacement(Protocol):
+    """What selection reads of an EP placement: ``expert_rank`` int64 ``[E]`` or ``[L, E]``
+    on the selection's device and R = ``num_ranks``. :class:`Placement` is one; the plugin's
+    ``ExpertPlacement``, whose buffer EPLB refreshes in place, is another."""
+
+    expert_rank: torch.Tensor
+    num_ranks: int
+
+
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Per-expert EP rank for the busiest-rank cost: ``expert_rank`` int64 ``[E]`` or
-    ``[L, E]`` on the selection's device (``sgl_ecospec.placement.expert_rank_map``), and
-    R = ``num_ranks``. The plugin refreshes ``expert_rank`` in place (EPLB)."""
+    """A fixed EP placement (``sgl_ecospec.placement.expert_rank_map`` builds the ranks)."""
 
     expert_rank: torch.Tensor
     num_ranks: int
@@ -62,7 +70,7 @@ class StepSelection:
         budget: int,
         options: SelectionOptions,
         *,
-        placement: Placement | None = None,
+        placement: RankPlacement | None = None,
         layer_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Another policy's verify set ``[B, budget]`` on this step's tree and predictions
@@ -97,7 +105,7 @@ def select_step(
     *,
     states: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
-    placement: Placement | None = None,
+    placement: RankPlacement | None = None,
     layer_weights: torch.Tensor | None = None,
 ) -> StepSelection:
     """Predicts every row's experts and picks each request's verify set.

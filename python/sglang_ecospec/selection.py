@@ -46,8 +46,9 @@ import logging
 
 import torch
 
+from sgl_ecospec.ops.selection import SelectionOptions
 from sgl_ecospec.predictors import ExpertPredictor
-from sgl_ecospec.step import Placement, select_step
+from sgl_ecospec.step import select_step
 from sglang_ecospec.ep_placement import ExpertPlacement
 from sglang_ecospec.eps_table import EpsTable
 from sglang_ecospec.hooks import HookSlot
@@ -120,10 +121,10 @@ class EcoSpecSelector:
         self.topk = topk
         self.num_draft_tokens = num_draft_tokens
         self.placement = placement
-        self.placement_view = (
-            None if placement is None else Placement(placement.expert_rank, placement.num_ranks)
-        )
         self.options = settings.selection_options()
+        # One checked copy per eps (the cost model's table has a few buckets), so a decode
+        # step does not rebuild and re-check its options.
+        self._options_by_eps: dict[float, SelectionOptions] = {}
         self.eps_table = eps_table
         # Predicted experts of the last selection's verify rows, in SGLang's verify order
         # (per request: the root, then the chosen candidates); int16 holds any expert id.
@@ -151,6 +152,14 @@ class EcoSpecSelector:
         if self.eps_table is not None:
             return self.eps_table.lookup(batch)
         return float(self.settings.eps)
+
+    def options_for(self, batch: int) -> SelectionOptions:
+        """The selection options for a batch of ``batch`` requests (its eps, :meth:`eps_for`)."""
+        eps = self.eps_for(batch)
+        options = self._options_by_eps.get(eps)
+        if options is None:
+            options = self._options_by_eps[eps] = self.options.with_eps(eps)
+        return options
 
     def set_roots(self, bonus_tokens: torch.Tensor | None) -> None:
         """Records the batch's bonus tokens ``[B]`` (None: unknown, seed nothing)."""
@@ -231,10 +240,10 @@ class EcoSpecSelector:
             scores.float(),
             parents,
             budget,
-            self.options.with_eps(self.eps_for(batch)),
+            self.options_for(batch),
             states=states,
             valid=valid,
-            placement=self.placement_view,
+            placement=self.placement,
         )
         index = step.selected  # [B, D-1] ascending; complete, every candidate is reachable
         draft_tokens = torch.gather(tokens, 1, index.clamp_min(0))  # [B, D-1]

@@ -119,9 +119,9 @@ def assert_ecospec_observability(log_text: str, metrics_text: str, target: Path)
 
 @pytest.fixture(scope="module")
 def models() -> tuple[Path, Path]:
-    from sgl_ecospec.lab.bench.cli import default_models
+    from sgl_ecospec.lab.config import testbed_models
 
-    target, draft = default_models(small=True)
+    target, draft = testbed_models(small=True)
     return Path(target), Path(draft)
 
 

@@ -500,16 +500,16 @@ def test_train_head_then_bench_with_it(tiny_models, tmp_path, capsys):
     assert "holds a LowRankExpertHead; pass --predictor head" in capsys.readouterr().err
 
 
-def test_default_models_are_the_testbed(monkeypatch, tmp_path, capsys):
+def test_testbed_models_are_the_testbed(monkeypatch, tmp_path, capsys):
     import sgl_ecospec.lab.testbed.build as testbed_build
-    from sgl_ecospec.lab.bench.cli import default_models
+    from sgl_ecospec.lab.config import testbed_models
     from sgl_ecospec.lab.testbed.recipe import RECIPES
 
     monkeypatch.setenv("SGL_ECOSPEC_CACHE", str(tmp_path / "cache"))
     built = []
     monkeypatch.setattr(testbed_build, "build", lambda recipe: built.append(recipe) or tmp_path)
-    assert default_models(small=True) == (str(tmp_path / "target"), str(tmp_path / "draft"))
-    assert default_models(small=False)[0] == str(tmp_path / "target")
+    assert testbed_models(small=True) == (str(tmp_path / "target"), str(tmp_path / "draft"))
+    assert testbed_models(small=False)[0] == str(tmp_path / "target")
     assert built == [RECIPES["small"], RECIPES["full"]]
     # A build is announced on stderr before it starts (nothing is cached here).
     err = capsys.readouterr().err.splitlines()

@@ -23,7 +23,7 @@ from sgl_ecospec.lab.bench.runs import (
     run_predictor,
 )
 from sgl_ecospec.lab.cli import add_command
-from sgl_ecospec.lab.config import BenchConfig, testbed_models, with_models
+from sgl_ecospec.lab.config import BenchConfig, with_models
 from sgl_ecospec.lab.datasets import DATASETS, load_prompts, render_chat
 from sgl_ecospec.ops.selection import DEFAULT_EPS, POLICIES
 
@@ -84,12 +84,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     arguments.add_check_lossless_argument(out)
     return parser
-
-
-def default_models(small: bool) -> tuple[str, str]:
-    """The testbed's (target, draft) directories, built on first use (announced on
-    stderr): ``config.testbed_models``."""
-    return testbed_models(small)
 
 
 def speculative_run(cfg, engine, budget, policy, groups_by_name, prompts, greedy, progress):

@@ -316,10 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = validate(args)
         if cfg["model_path"] is None:
-            from sgl_ecospec.lab.bench.cli import default_models
+            from sgl_ecospec.lab.config import testbed_models
 
             print("[bench_serving] using the small testbed (built on first use)", flush=True)
-            cfg["model_path"], cfg["draft_model_path"] = default_models(small=True)
+            cfg["model_path"], cfg["draft_model_path"] = testbed_models(small=True)
         for key in ("model_path", "draft_model_path"):
             if cfg[key] is not None and not Path(cfg[key]).exists():
                 raise FileNotFoundError(f"--{key.replace('_', '-')} {cfg[key]!r} does not exist")
