@@ -129,7 +129,7 @@ def select_step(
         bitmaps = bitmaps * valid.long()[:, None, None, None]
     selected = _select(scores, parents, bitmaps, budget, options, placement, layer_weights)
     rows = verify_rows(selected)
-    verify_predicted = predicted[_batch_index(rows), rows]
+    verify_predicted = predicted[batch_index(rows), rows]
     return StepSelection(scores, parents, predicted, bitmaps, selected, verify_predicted)
 
 
@@ -140,7 +140,7 @@ def verify_rows(selected: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros_like(selected[:, :1]), 1 + selected], 1)
 
 
-def _batch_index(index: torch.Tensor) -> torch.Tensor:
+def batch_index(index: torch.Tensor) -> torch.Tensor:
     """Row numbers ``[B, 1]`` to pair with a ``[B, M]`` index in advanced indexing."""
     return torch.arange(index.shape[0], device=index.device)[:, None]
 

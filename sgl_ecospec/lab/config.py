@@ -16,7 +16,7 @@ import sys
 
 from sgl_ecospec.costmodel.profiles import HARDWARE, MODELS, get_hardware, get_model
 from sgl_ecospec.lab.costmodel_report import parse_positive_ints
-from sgl_ecospec.ops.selection import DEFAULT_EPS, POLICIES
+from sgl_ecospec.ops.selection import DEFAULT_EPS, POLICIES, SelectionOptions
 
 # The sweep's policies, in the order they are reported.
 SWEEP_POLICIES = ("confidence", "ecospec", "ecospec-ep", "adaptive")
@@ -147,8 +147,10 @@ class BenchConfig(_Config):
             raise ValueError(
                 "--plot draws experts against budget: give several, e.g. --budgets 1,2,4,8"
             )
-        if not self.eps > 0:
-            raise ValueError(f"--eps must be > 0, got {self.eps}")
+        try:
+            SelectionOptions(eps=self.eps)  # the one eps rule, the op's
+        except (TypeError, ValueError):
+            raise ValueError(f"--eps must be > 0, got {self.eps}") from None
         if self.save_predictor and self.predictor != "online":
             raise ValueError("--save-predictor writes the online predictor; use --predictor online")
         _check_predictor(self.predictor, self.predictor_file)
@@ -165,11 +167,6 @@ class BenchConfig(_Config):
     def from_args(cls, args) -> "BenchConfig":
         """From ``bench``'s parsed arguments; ValueError on anything invalid."""
         policies = [p.strip() for p in args.policy.split(",")]
-        unknown = [p for p in policies if p not in POLICIES]
-        if unknown or not policies:
-            raise ValueError(f"unknown --policy {unknown or args.policy!r}; valid: {POLICIES}")
-        if len(set(policies)) != len(policies):
-            raise ValueError(f"--policy lists a policy twice: {args.policy!r}")
         budgets = parse_positive_ints(args.budgets, "--budgets") if args.budgets else []
         datasets = [d.strip() for d in (args.dataset or "").split(",") if d.strip()]
         datasets += args.prompts or []

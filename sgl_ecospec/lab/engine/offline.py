@@ -47,7 +47,13 @@ from sgl_ecospec.lab.engine.target import TargetModel
 from sgl_ecospec.lab.engine.tree import DraftTree, build_verify_tree, greedy_accept
 from sgl_ecospec.ops.bitmaps import bitmap_popcount
 from sgl_ecospec.predictors import ExpertPredictor, OnlineExpertPredictor, topk_recall
-from sgl_ecospec.step import Placement, SelectionOptions, select_step, verify_rows
+from sgl_ecospec.step import (
+    Placement,
+    SelectionOptions,
+    batch_index,
+    select_step,
+    verify_rows,
+)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -262,7 +268,7 @@ class OfflineEngine:
         # Every verified row's routing is real (rejected rows ran too), so all of it counts
         # for the experts loaded and feeds the predictor.
         routing = out.routing[verify.valid]  # [verified, L, K]
-        batch = _batch_index(selected)
+        batch = batch_index(selected)
         rows = verify_rows(selected)
         recall = topk_recall(chosen.verify_predicted[verify.valid], routing, self.num_experts)
         row_hidden = None if hidden is None else hidden[batch, rows][verify.valid]  # [verified, H]
@@ -397,7 +403,7 @@ def _selection_union(truth: torch.Tensor, selected: torch.Tensor, num_experts: i
     """int64 ``[L, W]``: the union over the batch of the true routing ``truth [B, 1 + N, L, K]``
     of every root and every candidate in ``selected [B, S]`` (-1 padding skipped)."""
     rows = verify_rows(selected)  # padding lands on the root, in the union anyway
-    return union_bitmap(truth[_batch_index(rows), rows].flatten(0, 1), num_experts)
+    return union_bitmap(truth[batch_index(rows), rows].flatten(0, 1), num_experts)
 
 
 def _selected_score(scores: torch.Tensor, selected: torch.Tensor) -> float:
@@ -412,11 +418,6 @@ def _overall_recall(steps: list[StepStats]) -> float | None:
     """Recall over all verified tokens: the step recalls weighted by verified tokens."""
     tokens = sum(step.verified_tokens for step in steps)
     return sum(step.recall * step.verified_tokens for step in steps) / tokens if steps else None
-
-
-def _batch_index(index: torch.Tensor) -> torch.Tensor:
-    """Row numbers ``[B, 1]`` to pair with a ``[B, M]`` index in advanced indexing."""
-    return torch.arange(index.shape[0], device=index.device)[:, None]
 
 
 def _eos_token_ids(model) -> set[int]:
