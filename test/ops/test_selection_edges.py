@@ -1,0 +1,245 @@
+"""select_verify_set: the adaptive policy, degenerate trees and argument errors."""
+
+import math
+
+import pytest
+import torch
+from _selection import experts, random_tree
+
+from sgl_ecospec import select_verify_set
+
+
+def test_adaptive_stops_when_the_next_node_lowers_the_rate(impl):
+    # A chain; each node adds one new expert and eps = 1, so priorities are P / 2:
+    # 0.45, 0.25, 0.05. The step starts at 1 token for cost 4 (rate 0.25): node 0 pays
+    # (0.45 >= 0.25) and lifts the rate to 1.9 / 6 = 0.317, which node 1 (0.25) misses.
+    scores = torch.tensor([[0.9, 0.5, 0.1]])
+    parents = torch.tensor([[-1, 0, 1]])
+    node_experts = torch.stack([experts([1]), experts([2]), experts([3])])[None]
+    kwargs = dict(policy="adaptive", eps=1.0, impl=impl)
+    out = select_verify_set(scores, parents, node_experts, 3, step_cost=4.0, **kwargs)
+    assert out.tolist() == [[0, -1, -1]]
+    # A costlier step (rate 1 / 20) makes nodes 0 and 1 pay: (1 + 1.4) / 24 = 0.1 > 0.05.
+    out = select_verify_set(scores, parents, node_experts, 3, step_cost=20.0, **kwargs)
+    assert out.tolist() == [[0, 1, -1]]
+    # A cheap step (rate 1 / 0.5 = 2) verifies nothing: speculation does not pay.
+    out = select_verify_set(scores, parents, node_experts, 3, step_cost=0.5, **kwargs)
+    assert out.tolist() == [[-1, -1, -1]]
+
+
+def test_adaptive_takes_a_prefix_of_ecospec_order(impl):
+    # Adaptive only stops early: per request, its set is EcoSpec's set at a smaller budget,
+    # and a costlier step (lower starting rate) never takes fewer nodes.
+    gen = torch.Generator().manual_seed(16)
+    scores, parents, node_experts, roots = random_tree(gen, 6, 30, 4, 128, 8)
+    rank = torch.randint(0, 4, (128,), generator=gen)
+    previous = torch.zeros(6, dtype=torch.long)
+    for step_cost in (1.0, 30.0, 100.0, 300.0, 1e9):
+        kwargs = dict(root_experts=roots, expert_rank=rank, eps=0.5, impl=impl)
+        out = select_verify_set(
+            scores, parents, node_experts, 12, policy="adaptive", step_cost=step_cost, **kwargs
+        )
+        taken = (out >= 0).sum(1)
+        assert (taken >= previous).all()
+        previous = taken
+        for b in range(6):
+            prefix = select_verify_set(
+                scores[b : b + 1],
+                parents[b : b + 1],
+                node_experts[b : b + 1],
+                int(taken[b]),
+                **{**kwargs, "root_experts": roots[b : b + 1]},
+            )
+            assert out[b, : int(taken[b])].tolist() == prefix[0].tolist()
+    assert previous.tolist() == [12] * 6  # a step with a rate near 0 takes the budget
+
+
+def test_adaptive_with_zero_scores_takes_nothing(impl):
+    out = select_verify_set(
+        torch.zeros(2, 4),
+        torch.full((2, 4), -1),
+        torch.zeros((2, 4, 1, 1), dtype=torch.long),
+        3,
+        policy="adaptive",
+        step_cost=1e9,
+        impl=impl,
+    )
+    assert out.tolist() == [[-1, -1, -1]] * 2
+
+
+def test_adaptive_shared_account_covers_the_batch(impl):
+    # One account for the step: request 0's good node lifts the rate that request 1's
+    # node must meet. Alone, request 1's node (priority 0.3 / 1.1 = 0.27) beats the
+    # starting rate 1 / 4; after request 0 takes P = 0.9, the rate is 2.9 / 9.1 = 0.32.
+    scores = torch.tensor([[0.9], [0.3]])
+    parents = torch.full((2, 1), -1)
+    node_experts = torch.stack([experts([1])[None], experts([2])[None]])
+    kwargs = dict(policy="adaptive", eps=0.1, step_cost=4.0, impl=impl)
+    own = select_verify_set(scores, parents, node_experts, 1, **kwargs)
+    shared = select_verify_set(scores, parents, node_experts, 1, share_buffer=True, **kwargs)
+    assert own.tolist() == [[0], [0]]
+    assert shared.tolist() == [[0], [-1]]
+
+
+# --- edge cases ---------------------------------------------------------------------------
+
+
+def test_budget_larger_than_tree_pads(impl):
+    scores = torch.tensor([[0.5, 0.4, 0.3]])
+    parents = torch.tensor([[-1, 0, 1]])
+    node_experts = torch.zeros((1, 3, 2, 1), dtype=torch.long)
+    out = select_verify_set(scores, parents, node_experts, 5, impl=impl)
+    assert out.tolist() == [[0, 1, 2, -1, -1]]
+
+
+def test_empty_tree_and_zero_budget(impl):
+    empty = select_verify_set(
+        torch.zeros(2, 0),
+        torch.zeros(2, 0, dtype=torch.long),
+        torch.zeros(2, 0, 3, 2, dtype=torch.long),
+        3,
+        impl=impl,
+    )
+    assert empty.tolist() == [[-1, -1, -1]] * 2
+    gen = torch.Generator().manual_seed(1)
+    scores, parents, node_experts, _ = random_tree(gen, 2, 5, 1, 8, 2)
+    assert select_verify_set(scores, parents, node_experts, 0, impl=impl).shape == (2, 0)
+    no_batch = select_verify_set(
+        torch.zeros(0, 4),
+        torch.zeros(0, 4, dtype=torch.long),
+        torch.zeros(0, 4, 1, 1, dtype=torch.long),
+        2,
+        impl=impl,
+    )
+    assert no_batch.shape == (0, 2)
+
+
+@pytest.mark.parametrize("policy", ["confidence", "ecospec"])
+def test_all_zero_scores_take_lowest_indices_first(impl, policy):
+    # Every priority is 0, so each step takes the lowest-index frontier node.
+    parents = torch.tensor([[-1, -1, 0, 2, 1]])
+    out = select_verify_set(
+        torch.zeros(1, 5),
+        parents,
+        torch.zeros((1, 5, 1, 1), dtype=torch.long),
+        3,
+        policy=policy,
+        impl=impl,
+    )
+    assert out.tolist() == [[0, 1, 2]]
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (float("nan"), "NaN"),
+        (-0.5, "probabilities >= 0"),
+    ],
+)
+def test_bad_scores(bad, message):
+    scores = torch.tensor([[0.5, bad]])
+    with pytest.raises(ValueError, match=message):
+        select_verify_set(
+            scores, torch.tensor([[-1, 0]]), torch.zeros((1, 2, 1, 1), dtype=torch.long), 1
+        )
+
+
+@pytest.mark.parametrize(
+    "parents, message",
+    [
+        ([[-1, 2]], r"parents\[0, 1\] = 2 is outside \[-1, 2\)"),
+        ([[-2, -1]], r"parents\[0, 0\] = -2"),
+        ([[1, 0]], "cycle"),
+        ([[-1, 1]], "cycle"),
+    ],
+)
+def test_bad_parents(parents, message):
+    with pytest.raises(ValueError, match=message):
+        select_verify_set(
+            torch.tensor([[0.5, 0.4]]),
+            torch.tensor(parents),
+            torch.zeros((1, 2, 1, 1), dtype=torch.long),
+            1,
+        )
+
+
+def test_cycles_are_never_selected_without_validation(impl):
+    # Nodes 1 and 2 point at each other: unreachable from the root.
+    parents = torch.tensor([[-1, 2, 1, 0]])
+    out = select_verify_set(
+        torch.tensor([[0.1, 0.9, 0.9, 0.05]]),
+        parents,
+        torch.zeros((1, 4, 1, 1), dtype=torch.long),
+        4,
+        validate=False,
+        impl=impl,
+    )
+    assert out.tolist() == [[0, 3, -1, -1]]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(policy="fastest"), ValueError, "policy must be one of"),
+        (dict(eps=0.0), ValueError, "eps must be finite and > 0"),
+        (dict(eps=math.inf), ValueError, "eps must be finite"),
+        (dict(budget=-1), ValueError, "budget must be >= 0"),
+        (dict(budget=2.0), TypeError, "budget must be an int"),
+        (dict(scores=torch.zeros(1, 3)), ValueError, r"parents must have shape \(1, 3\)"),
+        (dict(node_experts=torch.zeros(1, 2, 3)), ValueError, "node_experts must have 4 dims"),
+        (dict(node_experts=torch.zeros(1, 2, 1, 1, dtype=torch.int32)), TypeError, "int64"),
+        (
+            dict(root_experts=torch.zeros(1, 2, 1, dtype=torch.long)),
+            ValueError,
+            r"root_experts must have shape \(1, 1, 1\)",
+        ),
+        (dict(layer_weights=torch.ones(2)), ValueError, r"layer_weights must have shape \(1,\)"),
+        (dict(layer_weights=torch.tensor([-1.0])), ValueError, "finite and >= 0"),
+        (dict(parents=torch.tensor([[-1.0, 0.0]])), TypeError, "parents must have dtype"),
+        (dict(impl="gpu"), ValueError, "impl must be one of"),
+        (dict(num_ranks=2), ValueError, "num_ranks needs expert_rank"),
+        (dict(total_weight=0.5), ValueError, "total_weight needs expert_rank"),
+        (dict(expert_rank=torch.zeros(8)), TypeError, "expert_rank must have dtype"),
+        (dict(expert_rank=torch.zeros(2, 8, dtype=torch.long)), ValueError, r"\[E\] or \[L, E\]"),
+        (dict(expert_rank=torch.zeros(65, dtype=torch.long)), ValueError, "W = ceil"),
+        (
+            dict(expert_rank=torch.tensor([0, 1, 2, 3, 0, 1, 2, 3]), num_ranks=3),
+            ValueError,
+            r"expert_rank\[3\] = 3 is outside",
+        ),
+        (
+            dict(expert_rank=torch.zeros(8, dtype=torch.long), num_ranks=0),
+            ValueError,
+            "num_ranks must be >= 1",
+        ),
+        (
+            dict(expert_rank=torch.zeros(8, dtype=torch.long), total_weight=1.5),
+            ValueError,
+            r"total_weight must lie in \[0, 1\]",
+        ),
+        (dict(policy="adaptive"), ValueError, "needs step_cost"),
+        (dict(policy="adaptive", step_cost=0.0), ValueError, "step_cost must be finite and > 0"),
+        (
+            dict(policy="adaptive", step_cost=1.0, step_tokens=-1.0),
+            ValueError,
+            "step_tokens must be >= 0",
+        ),
+        (dict(policy="adaptive", step_cost=math.nan), ValueError, "step_cost must be finite"),
+    ],
+)
+def test_bad_arguments(kwargs, error, message):
+    args = dict(
+        scores=torch.tensor([[0.5, 0.4]]),
+        parents=torch.tensor([[-1, 0]]),
+        node_experts=torch.zeros((1, 2, 1, 1), dtype=torch.long),
+        budget=1,
+    )
+    args.update(kwargs)
+    with pytest.raises(error, match=message):
+        select_verify_set(
+            args.pop("scores"),
+            args.pop("parents"),
+            args.pop("node_experts"),
+            args.pop("budget"),
+            **args,
+        )
