@@ -70,6 +70,8 @@ setup(
         "sglang_ecospec": "python/sglang_ecospec",
         "sglang_ecospec_cpu": "python/sglang_ecospec_cpu",
     },
+    # The testbed's shipped EAGLE-3 drafts (docs/testbed.md).
+    package_data={"sgl_ecospec.lab.testbed": ["drafts/*/*.json", "drafts/*/*.safetensors"]},
     python_requires=">=3.10",
     install_requires=["torch", "numpy", "scipy"],
     extras_require={"plot": ["matplotlib"]},

@@ -34,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "reproducible", False):
+        from sgl_ecospec.lab import numerics
+
+        numerics.make_reproducible(sys.argv[1:] if argv is None else argv)
     try:
         return args.run(args) or 0
     except (ValueError, FileNotFoundError) as exc:

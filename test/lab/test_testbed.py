@@ -12,8 +12,15 @@ import pytest
 import torch
 from torch import nn
 
-from sgl_ecospec.lab import eagle3
-from sgl_ecospec.lab.testbed import acceptance, build, draft_training, moefy, recipe, routers
+from sgl_ecospec.lab import eagle3, numerics
+from sgl_ecospec.lab.testbed import (
+    acceptance,
+    build,
+    draft_training,
+    moefy,
+    recipe,
+    routers,
+)
 
 # --- fast unit tests -------------------------------------------------------------------
 
@@ -250,6 +257,12 @@ def test_build_writes_both_checkpoints(small_build):
         assert (small_build / "draft" / name).is_file(), name
     info = build.read_info(small_build)
     assert info["hash"] == recipe.recipe_hash(recipe.SMALL)
+    # Deterministic build: the same target bits as the reference build, on any machine.
+    target_sha = numerics.weights_sha256(small_build / "target")
+    assert target_sha == info["weights_sha256"]["target"] == recipe.TARGET_SHA256["small"]
+    assert info["target_matches_reference"]
+    assert info["weights_sha256"]["draft"] == numerics.weights_sha256(small_build / "draft")
+    assert info["draft_source"] == {"trained": "recipe"}  # no shipped draft for this target
     assert build.build(recipe.SMALL) == small_build  # cached: returns at once
 
 

@@ -42,7 +42,7 @@ def add_share_buffer_argument(group, help: str) -> None:
 
 
 def add_model_arguments(parser) -> None:
-    """The "models" group: --target, --draft, --small, --device, --dtype. Without
+    """The "models" group: --target, --draft, --small, --device, --dtype, --reproducible. Without
     --target/--draft the commands use the testbed, built (announced on stderr) when missing."""
     models = parser.add_argument_group("models")
     models.add_argument("--target", metavar="DIR", help="target checkpoint (default: testbed)")
@@ -50,6 +50,12 @@ def add_model_arguments(parser) -> None:
     models.add_argument("--small", action="store_true", help="use the small testbed")
     models.add_argument("--device", default="cpu")
     models.add_argument("--dtype", choices=DTYPES, default="float32")
+    models.add_argument(
+        "--reproducible",
+        action="store_true",
+        help="pin the CPU float numerics (AVX2 kernels, 2 threads): bit-identical results on "
+        "any x86-64 machine with AVX2, a little slower (the main job and docs/RESULTS.md)",
+    )
 
 
 def add_output_arguments(parser, *, default_plot: str, plot_help: str):

@@ -11,6 +11,7 @@ import sys
 import time
 
 from sgl_ecospec.costmodel.profiles import HARDWARE, MODELS
+from sgl_ecospec.lab import numerics
 from sgl_ecospec.lab.bench import arguments, metrics, report
 from sgl_ecospec.lab.bench.runs import (
     LosslessError,
@@ -177,6 +178,7 @@ def run_bench(cfg: BenchConfig, engine, prompts: dict, *, out=None) -> dict:
             "note": NOTE,
             "config": {**cfg.to_dict(), "num_prompts": {n: len(ps) for n, ps in prompts.items()}},
             "testbed": {"num_layers": engine.num_layers, **shape},
+            "numerics": "pinned" if numerics.pinned() else "native",
             "profile": {
                 f: getattr(profile, f)
                 for f in ("name", "moe_layers", "num_experts", "top_k", "bytes_per_expert")

@@ -36,22 +36,38 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from sgl_ecospec.lab import datasets
+from sgl_ecospec.lab import datasets, numerics
 from sgl_ecospec.lab.cli import add_command
-from sgl_ecospec.lab.testbed import acceptance, assets, data, draft_training, export, moefy
-from sgl_ecospec.lab.testbed.recipe import RECIPES, Recipe, build_dir, recipe_hash
+from sgl_ecospec.lab.testbed import (
+    acceptance,
+    assets,
+    data,
+    draft_training,
+    export,
+    moefy,
+    shipped,
+)
+from sgl_ecospec.lab.testbed.recipe import (
+    RECIPES,
+    TARGET_SHA256,
+    Recipe,
+    build_dir,
+    recipe_hash,
+)
 
 INFO_FILE = "build.json"
 PROBE_FILE = "probe.safetensors"
 # Disjoint slices of the usable ShareGPT conversations (file order) for each purpose.
 CALIB_CONVS = slice(0, 800)
 EVAL_CONVS = slice(800, 1200)
-DRAFT_CONVS = slice(1200, 2400)
+DRAFT_START = 1200  # the draft's data: the recipe's ``conversations`` from here on
 CHAT_PROBES = (
     "What is the capital of France?",
     "Give me three tips for staying healthy.",
     "Write a Python function that returns the square of a number.",
 )
+# Draft training time on an idle 2-core machine, said before it starts.
+_DRAFT_TIME = {"full": "about 20 minutes", "small": "about 3 minutes"}
 PROBE_TEXT = "The capital of France is Paris. Mixture-of-experts models route every token."
 
 
@@ -59,7 +75,7 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-class _Phases:
+class Phases:
     """Logs one line per phase with its wall time and keeps the timings."""
 
     def __init__(self, log: Callable[[str], None]):
@@ -75,7 +91,7 @@ class _Phases:
 
 
 @contextlib.contextmanager
-def _threads(count: int):
+def threads(count: int):
     """Runs the block with ``count`` torch threads."""
     before = torch.get_num_threads()
     torch.set_num_threads(count)
@@ -101,11 +117,24 @@ def select_layers(model: nn.Module, keep: tuple[int, ...] | None) -> None:
 def build(recipe: Recipe, *, force: bool = False, log: Callable[[str], None] = _stderr) -> Path:
     """Builds ``recipe`` into its cache directory unless already built; returns the directory.
 
+    A build in a process without the pinned numerics (:mod:`numerics`) runs in a child
+    process that has them, so the weights do not depend on the machine.
+
     Args:
         force: rebuild even when a complete build exists.
         log: receives one progress line per phase (default: stderr).
     """
     out = build_dir(recipe)
+    if (out / INFO_FILE).is_file() and not force:
+        return out
+    if not numerics.pinned():
+        if RECIPES.get(recipe.variant) is not recipe:
+            raise ValueError(f"only the named recipes {sorted(RECIPES)} can be built")
+        argv = [sys.executable, "-m", "sgl_ecospec.lab.cli", "testbed", "build"]
+        argv += ["--small"] if recipe.variant == "small" else []
+        argv += ["--force"] if force else []
+        numerics.run_pinned(argv)
+        return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -118,7 +147,7 @@ def build(recipe: Recipe, *, force: bool = False, log: Callable[[str], None] = _
         # thread for the rest: on a busy 2-core machine a second thread makes small
         # matmuls (decode steps) 10-50x slower, while the draft's large matmuls gain ~1.75x
         # from two on an idle one.
-        with _threads(1):
+        with threads(1):
             _build_into(work, recipe, log)
         shutil.rmtree(out, ignore_errors=True)
         work.rename(out)
@@ -130,15 +159,28 @@ def read_info(out: Path) -> dict:
     return json.loads((out / INFO_FILE).read_text())
 
 
-def _build_into(work: Path, recipe: Recipe, log: Callable[[str], None]) -> None:
-    phases = _Phases(log)
+@dataclasses.dataclass
+class Target:
+    """The in-memory MoE target of a build and what its draft phases reuse."""
+
+    model: nn.Module  # LlamaForCausalLM with MoeMLP blocks (weights rounded to the dtype)
+    tokenizer: object
+    conversations: list  # ShareGPT conversations, file order
+    calib_samples: list  # teacher-forced draft samples from the calibration pass
+    sha256: str  # weights_sha256 of the exported target/
+
+
+def build_target(
+    work: Path, recipe: Recipe, phases: Phases, info: dict, log: Callable[[str], None]
+) -> Target:
+    """Phases 1-5: the target, exported to ``work/target`` (and the probe), into ``info``.
+
+    Needs the pinned numerics and one thread for machine-independent weights.
+    """
     torch.manual_seed(recipe.seed)
     torch.use_deterministic_algorithms(True)
     gen = torch.Generator().manual_seed(recipe.seed)
     dtype = getattr(torch, recipe.weight_dtype)
-    info = {"recipe": json.loads(recipe.to_json()), "hash": recipe_hash(recipe)}
-    log(f"[testbed] building {recipe.variant} into {work}")
-
     with phases("assets"):
         tokenizer = assets.load_tokenizer()
         model = assets.load_dense_model()
@@ -146,7 +188,7 @@ def _build_into(work: Path, recipe: Recipe, log: Callable[[str], None]) -> None:
         # Rounded to the checkpoint dtype up front: every state computed from here on is
         # the exported model's.
         moefy.round_weights(model, dtype)
-        convs = assets.sharegpt_conversations(DRAFT_CONVS.stop)
+        convs = assets.sharegpt_conversations(DRAFT_START + recipe.draft.conversations)
         calib = data.packed_chunks(
             tokenizer, convs[CALIB_CONVS], recipe.calib_chunks, recipe.chunk_len
         )
@@ -178,50 +220,94 @@ def _build_into(work: Path, recipe: Recipe, log: Callable[[str], None]) -> None:
         with torch.no_grad():
             logits = model(input_ids=probe).logits
         save_file({"input_ids": probe, "logits": logits.contiguous()}, str(work / PROBE_FILE))
+        sha = numerics.weights_sha256(work / "target")
+    info["weights_sha256"] = {"target": sha}
+    log(f"[testbed] target weights sha256 {sha}")
+    return Target(model, tokenizer, convs, calib_samples, sha)
 
-    spec = recipe.draft
-    with phases("draft data"), _threads(spec.threads):
-        samples, text_samples = [], []
-        if spec.prompts:
-            prompts = [
-                datasets.render_chat(tokenizer, conv[0]["content"]) for conv in convs[DRAFT_CONVS]
-            ]
-            prompts = [p for p in prompts if len(p) <= spec.max_prompt_tokens][: spec.prompts]
-            samples = draft_training.generate(
-                model,
-                prompts,
-                max_new_tokens=spec.max_new_tokens,
-                batch=spec.gen_batch,
-                aux_layer_ids=spec.aux_layer_ids,
-                soft_top_k=spec.soft_top_k,
-            )
-        if spec.text_chunks:
-            chunks = data.packed_chunks(
-                tokenizer, convs[DRAFT_CONVS], spec.text_chunks, recipe.chunk_len
-            )
-            text_samples = draft_training.read_text(
-                model,
-                chunks,
-                aux_layer_ids=spec.aux_layer_ids,
-                soft_top_k=spec.soft_top_k,
-                log=log,
-            )
-        info["draft_data_tokens"] = {
-            "generated": sum(len(s.tokens) for s in samples),
-            "teacher_forced": sum(len(s.tokens) for s in text_samples + calib_samples),
-        }
-        samples += text_samples + calib_samples
-    with phases("draft training"), _threads(spec.threads):
-        text_counts = data.token_counts(tokenizer, convs)
-        draft = draft_training.init_draft(model, samples, text_counts, spec, recipe.seed)
-        info["draft_history"] = draft_training.train_draft(
-            draft, model.model.embed_tokens, samples, spec, gen, log
+
+def draft_prompts(tokenizer, conversations: list, spec) -> list[list[int]]:
+    """The chat-rendered first turns the target answers for the draft's data."""
+    convs = conversations[DRAFT_START : DRAFT_START + spec.conversations]
+    prompts = [datasets.render_chat(tokenizer, conv[0]["content"]) for conv in convs]
+    return [p for p in prompts if len(p) <= spec.max_prompt_tokens][: spec.prompts]
+
+
+def draft_text(tokenizer, conversations: list, spec, chunk_len: int) -> torch.Tensor:
+    """int64 ``[spec.text_chunks, chunk_len]``: packed text the target reads for the draft."""
+    convs = conversations[DRAFT_START : DRAFT_START + spec.conversations]
+    return data.packed_chunks(tokenizer, convs, spec.text_chunks, chunk_len)
+
+
+def draft_samples(
+    target: Target, spec, chunk_len: int, log: Callable[[str], None]
+) -> tuple[list, dict]:
+    """Phase 6: the draft's training samples and their token counts by kind."""
+    model, tokenizer, convs = target.model, target.tokenizer, target.conversations
+    samples, text_samples = [], []
+    if spec.prompts:
+        prompts = draft_prompts(tokenizer, convs, spec)
+        samples = draft_training.generate(
+            model,
+            prompts,
+            max_new_tokens=spec.max_new_tokens,
+            batch=spec.gen_batch,
+            aux_layer_ids=spec.aux_layer_ids,
+            soft_top_k=spec.soft_top_k,
         )
+    if spec.text_chunks:
+        chunks = draft_text(tokenizer, convs, spec, chunk_len)
+        text_samples = draft_training.read_text(
+            model, chunks, aux_layer_ids=spec.aux_layer_ids, soft_top_k=spec.soft_top_k, log=log
+        )
+    counts = {
+        "generated": sum(len(s.tokens) for s in samples),
+        "teacher_forced": sum(len(s.tokens) for s in text_samples + target.calib_samples),
+    }
+    return samples + text_samples + target.calib_samples, counts
+
+
+def _build_into(work: Path, recipe: Recipe, log: Callable[[str], None]) -> None:
+    phases = Phases(log)
+    info = {"recipe": json.loads(recipe.to_json()), "hash": recipe_hash(recipe)}
+    log(f"[testbed] building {recipe.variant} into {work}")
+    target = build_target(work, recipe, phases, info, log)
+    reference = TARGET_SHA256.get(recipe.variant)
+    info["target_matches_reference"] = target.sha256 == reference
+    if target.sha256 != reference:
+        log(
+            f"[testbed] note: the target's weights differ from the reference build's "
+            f"(sha256 {reference}): this machine's float results differ from the pinned "
+            "AVX2 numerics (is it an x86-64 CPU with AVX2?)"
+        )
+    spec = recipe.draft
+    dtype = getattr(torch, recipe.weight_dtype)
+    found = shipped.find(target.sha256)
+    if found is not None:
+        log(f"[testbed] the shipped draft {found.name} was trained against this target: using it")
+        draft = found.load()
+        info["draft_source"] = {"shipped": found.name, "manifest": found.manifest}
+    else:
+        log(
+            "[testbed] no shipped draft matches this target's weights: training one "
+            f"({_DRAFT_TIME[recipe.variant]})"
+        )
+        gen = torch.Generator().manual_seed(recipe.seed)
+        with phases("draft data"), threads(spec.threads):
+            samples, info["draft_data_tokens"] = draft_samples(target, spec, recipe.chunk_len, log)
+        with phases("draft training"), threads(spec.threads):
+            text_counts = data.token_counts(target.tokenizer, target.conversations)
+            draft = draft_training.init_draft(target.model, samples, text_counts, spec, recipe.seed)
+            info["draft_history"] = draft_training.train_draft(
+                draft, target.model.model.embed_tokens, samples, spec, gen, log
+            )
+        info["draft_source"] = {"trained": "recipe"}
     with phases("acceptance"):
-        info["acceptance"] = _acceptance(model, tokenizer, draft, spec)
+        info["acceptance"] = measure_acceptance(target.model, target.tokenizer, draft, spec)
     log(f"[testbed] acceptance {info['acceptance']}")
 
     draft.save_pretrained(work / "draft", dtype=dtype)
+    info["weights_sha256"]["draft"] = numerics.weights_sha256(work / "draft")
     info["seconds"] = phases.seconds
     (work / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
 
@@ -237,7 +323,7 @@ def _answers(model: nn.Module, tokenizer) -> dict[str, str]:
     }
 
 
-def _acceptance(model: nn.Module, tokenizer, draft, spec) -> dict[str, float]:
+def measure_acceptance(model: nn.Module, tokenizer, draft, spec) -> dict[str, float]:
     """Mean acceptance length on MT-Bench first turns, tree (topk 4, 3 steps, budget 4) and
     chain (topk 1, 3 steps)."""
     questions = datasets.load_prompts("mt-bench", num_prompts=spec.eval_prompts, seed=0)
@@ -274,7 +360,9 @@ DESCRIPTION = (
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Registers ``testbed`` (actions ``build`` and ``path``) on ``subparsers``."""
+    """Registers ``testbed`` (actions ``build``, ``path``, ``train-draft``) on ``subparsers``."""
+    from sgl_ecospec.lab.testbed import train_shipped  # it imports this module
+
     parser = add_command(subparsers, "testbed", run, HELP, DESCRIPTION)
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     build_cmd = actions.add_parser("build", help="build (unless cached) and print a summary")
@@ -284,11 +372,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     for sub in (build_cmd, path_cmd):
         sub.add_argument("--small", action="store_true", help="the small CI variant (8 layers)")
+    train_cmd = actions.add_parser(
+        "train-draft",
+        help="train the full testbed's shipped draft (hours; resumable)",
+        description=train_shipped.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train_shipped.add_arguments(train_cmd)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    """Runs ``testbed build`` / ``testbed path``; progress goes to stderr."""
+    """Runs ``testbed build`` / ``path`` / ``train-draft``; progress goes to stderr."""
+    if args.action == "train-draft":
+        from sgl_ecospec.lab.testbed import train_shipped
+
+        return train_shipped.run(args)
     recipe = RECIPES["small" if args.small else "full"]
     out = build(recipe, force=getattr(args, "force", False))
     if args.action == "build":

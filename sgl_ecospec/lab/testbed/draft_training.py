@@ -21,6 +21,7 @@ D = draft vocab, S = unrolled steps.
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -328,8 +329,18 @@ def train_draft(
     spec: DraftSpec,
     generator: torch.Generator,
     log: Callable[[str], None] = print,
+    *,
+    checkpoint: Path | None = None,
+    until_epoch: int | None = None,
 ) -> list[dict]:
-    """Trains ``draft`` in place (AdamW, linear warmup then cosine decay).
+    """Trains ``draft`` in place (AdamW, linear warmup then cosine decay over
+    ``spec.epochs``), with matmuls in bf16 when ``spec.bf16_autocast``.
+
+    Args:
+        checkpoint: a file saved after every epoch (draft, optimiser, schedule, generator,
+            history); when it exists, training resumes after its last epoch.
+        until_epoch: stop after this many epochs (the schedule still spans
+            ``spec.epochs``), so a long run can be exported part way, reproducibly.
 
     Returns one dict per epoch: mean loss and mean per-step accuracy.
     """
@@ -351,12 +362,22 @@ def train_draft(
         ),
     )
     history = []
+    if checkpoint is not None and checkpoint.is_file():
+        state = torch.load(checkpoint, weights_only=False)
+        draft.load_state_dict(state["draft"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["schedule"])
+        generator.set_state(state["generator"])
+        history = state["history"]
+        log(f"  resumed from {checkpoint} after epoch {len(history) - 1}")
+    stop = spec.epochs if until_epoch is None else min(until_epoch, spec.epochs)
     draft.train()
-    for epoch in range(spec.epochs):
+    for epoch in range(len(history), stop):
         start, losses, accs = time.perf_counter(), [], []
         for b in torch.randperm(len(batches), generator=generator).tolist():
             embeds, aux, ids, probs = _batch(batches[b], draft, embed, spec.ttt_steps)
-            loss, step_accs = unrolled_loss(draft, embeds, aux, ids, probs, spec.ttt_decay)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.bf16_autocast):
+                loss, step_accs = unrolled_loss(draft, embeds, aux, ids, probs, spec.ttt_decay)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -371,5 +392,15 @@ def train_draft(
             + "/".join(f"{a:.3f}" for a in mean_accs)
             + f" ({time.perf_counter() - start:.0f}s)"
         )
+        if checkpoint is not None:
+            state = {
+                "draft": draft.state_dict(),
+                "optimizer": opt.state_dict(),
+                "schedule": sched.state_dict(),
+                "generator": generator.get_state(),
+                "history": history,
+            }
+            torch.save(state, checkpoint.with_suffix(".tmp"))
+            checkpoint.with_suffix(".tmp").replace(checkpoint)
     draft.eval()
     return history

@@ -15,7 +15,9 @@ from pathlib import Path
 from sgl_ecospec.lab.testbed.moefy import MoeSpec
 
 CACHE_ENV = "SGL_ECOSPEC_CACHE"
-_SOURCES = sorted(Path(__file__).parent.glob("*.py")) + [Path(__file__).parent.parent / "eagle3.py"]
+_SOURCES = sorted(Path(__file__).parent.glob("*.py")) + [
+    Path(__file__).parent.parent / name for name in ("eagle3.py", "numerics.py")
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +41,9 @@ class DraftSpec:
     eval_new_tokens: int
     threads: int  # torch threads for draft data and training (fixed: results do not
     # depend on the machine's core count)
+    conversations: int = 1200  # ShareGPT conversations the data draws from (after the
+    # calibration and perplexity slices)
+    bf16_autocast: bool = False  # bf16 matmuls in training (fast on AMX, machine-specific)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +140,26 @@ SMALL = dataclasses.replace(
 )
 
 RECIPES = {"full": FULL, "small": SMALL}
+
+# SHA-256 of each recipe's target weights (numerics.weights_sha256 of target/) as built with
+# the pinned numerics; a build on a machine that gets other bits says so (and then cannot
+# use the shipped draft).
+TARGET_SHA256 = {
+    "full": "PENDING",
+    "small": "e63d71c3998e1f3faf257dc24eb611dfee67951e526cc88c3733e2758f20fafc",
+}
+
+# The full testbed's shipped draft (``sgl-ecospec testbed train-draft``): trained once, far
+# beyond a build's budget, mostly on the target's own greedy answers to ShareGPT first
+# turns (the distribution it drafts at inference).
+SHIPPED_DRAFT = dataclasses.replace(
+    FULL.draft,
+    prompts=1536,
+    conversations=3200,
+    text_chunks=96,
+    epochs=16,
+    bf16_autocast=True,
+)
 
 
 def recipe_hash(recipe: Recipe) -> str:
