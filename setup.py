@@ -10,7 +10,18 @@ import platform
 from pathlib import Path
 
 from setuptools import find_packages, setup
-from torch.utils import cpp_extension
+
+try:
+    from torch.utils import cpp_extension
+except ImportError as exc:
+    # pip's isolated build environment has no torch (pyproject.toml does not ask for one: it
+    # would be the newest torch, whose C++ ABI the serving environment's torch does not share).
+    raise SystemExit(
+        "sgl-ecospec compiles sgl_ecospec._C against the torch it will run with: install it "
+        "into the environment that has torch and sglang with `pip install --no-build-isolation .` "
+        "(CUDA_HOME set for the CUDA kernels), or run `bash scripts/setup_env.sh` "
+        f"(torch cannot be imported here: {exc})"
+    ) from None
 
 ROOT = Path(__file__).parent
 CSRC = ROOT / "csrc"

@@ -61,3 +61,74 @@ def run_both(theirs, ours, args, kwargs, contiguous_only=False):
     theirs(*args, **kwargs)
     ours(*ours_args, **ours_kwargs)
     return ours_args, ours_kwargs
+
+
+# --- graph safety (test/ops/test_graph_safety.py, test/predictors/test_online_graph.py) -----
+
+# aten ops that read a tensor's values on the host or give a shape that depends on them.
+SYNC_OPS = {
+    "_local_scalar_dense",
+    "item",
+    "is_nonzero",
+    "equal",
+    "nonzero",
+    "masked_select",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "repeat_interleave",
+}
+INDEX_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}
+
+
+class Recorder:
+    """A torch.compile backend that keeps each graph Dynamo hands it, then runs ``backend``."""
+
+    def __init__(self, backend: str):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        self.backend = lookup_backend(backend)
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return self.backend(gm, example_inputs)
+
+    def calls_native(self) -> bool:
+        # A native op shows as torch.ops.sgl_ecospec.<op>, printed "sgl_ecospec.<op>...".
+        return any(
+            node.op == "call_function" and str(node.target).startswith("sgl_ecospec.")
+            for gm in self.graphs
+            for node in gm.graph.nodes
+        )
+
+
+def compile_once(fn, backend: str):
+    """``fn`` compiled as one graph (fullgraph), and the recorder that sees its graphs."""
+    recorder = Recorder(backend)
+    return torch.compile(fn, fullgraph=True, backend=recorder), recorder
+
+
+def host_syncs(fn, *args) -> list[str]:
+    """The ops of ``fn``'s FakeTensor trace that would sync with the host (see SYNC_OPS, and
+    indexing with a boolean mask); tracing itself fails on ``bool(tensor)`` or ``.item()``."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not hasattr(node.target, "_schema"):
+            continue
+        name = node.target._schema.name.split("::")[-1]
+        if name in SYNC_OPS:
+            found.append(str(node.target))
+        elif name in INDEX_OPS:
+            indices = node.args[1] if len(node.args) > 1 else []
+            masks = [
+                i
+                for i in indices
+                if isinstance(i, torch.fx.Node) and i.meta["val"].dtype in (torch.bool, torch.uint8)
+            ]
+            if masks:
+                found.append(f"{node.target} with a boolean mask")
+    return found

@@ -6,17 +6,20 @@ process. :class:`EcoSpecAlgo` answers SGLang's ``is_*()`` / ``supports_*()`` que
 EAGLE3 does (``is_eagle3()`` is True: aux hidden-state capture, the draft's vocabulary map,
 the V2 worker path), and :class:`EcoSpecWorker` is SGLang's ``EAGLEWorkerV2`` plus:
 
-- at start: the EcoSpec runtime (:class:`sglang_ecospec.runtime.EcoSpecRuntime`: settings,
-  expert predictor: online, or a trained head, selector, routing capture) sized to the
-  memory pool, and the hooks (``organize_draft_results``, ``select_top_k_tokens``,
-  ``capture_routed_experts_if_allowed``; :mod:`sglang_ecospec.hooks`) active in this
+- at start: the startup checks (:mod:`sglang_ecospec.deployment`: draft tree, parallel
+  layout, compiled CUDA ops), then the EcoSpec runtime
+  (:class:`sglang_ecospec.runtime.EcoSpecRuntime`: settings, expert predictor: online, or a
+  trained head, selector, routing capture) sized to the memory pool, and the hooks
+  (``organize_draft_results``, ``select_top_k_tokens``, ``capture_routed_experts_if_allowed``,
+  ``TopK.forward``; :mod:`sglang_ecospec.hooks`) active in this
   process; under expert parallelism the expert -> EP rank placement from SGLang's expert
   location metadata (and the EPLB refresh hook), with ``eps=auto`` the cost model's eps
   table;
 - before each decode step: the batch's bonus tokens copied into the selector (seeds of the
   expert buffer);
-- after each verify: the verify tokens' captured routing feeds the statistics and the
-  online predictor (no host sync); the statistics are read (one host sync each) for SGLang's decode
+- after each verify: whether every MoE layer's routing was captured (counted on the device),
+  and the verify tokens' captured routing feeds the statistics and the online predictor (no
+  host sync); the statistics are read (one host sync each) for SGLang's decode
   log line and /metrics (:mod:`sglang_ecospec.metrics`, once per ``--decode-log-interval``)
   and for the "EcoSpec:" line (once per ``log_interval`` verify steps).
 
@@ -107,13 +110,15 @@ def validate_server_args(server_args) -> None:
             f"--speculative-algorithm {NAME} needs an EAGLE-3 draft: pass "
             "--speculative-draft-model-path"
         )
-    if cfg.speculative_eagle_topk is not None and cfg.speculative_eagle_topk <= 1:
-        logger.warning(
-            "%s with --speculative-eagle-topk %s: SGLang's chain fast path skips tree "
-            "selection, so ECOSPEC behaves exactly as EAGLE3; use topk > 1",
-            NAME,
-            cfg.speculative_eagle_topk,
-        )
+    # Tree flags given on the command line are checked now; SGLang's automatic choice (made
+    # after this check) and the rest of the deployment when the worker starts.
+    from sglang_ecospec.deployment import check_draft_tree
+
+    check_draft_tree(
+        getattr(cfg, "speculative_eagle_topk", None),
+        getattr(cfg, "speculative_num_steps", None),
+        getattr(cfg, "speculative_num_draft_tokens", None),
+    )
     logger.info("%s settings: %s", NAME, settings.to_dict())
 
 
@@ -150,6 +155,11 @@ def _make_worker_class():
         """SGLang's EAGLE-3 worker with EcoSpec's selection and online predictor."""
 
         def __init__(self, server_args, gpu_id, nccl_port, target_worker):
+            from sglang_ecospec.deployment import check_startup
+
+            # Server arguments are final here (SGLang's automatic choices made): refuse what
+            # ECOSPEC cannot serve before the draft model is loaded.
+            check_startup(server_args)
             super().__init__(server_args, gpu_id, nccl_port, target_worker)
             self.ecospec_settings = EcoSpecSettings.from_env()
             self.ecospec = None  # runtime.EcoSpecRuntime, built in alloc_memory_pool
@@ -181,8 +191,14 @@ def _make_worker_class():
 
         def verify(self, batch, *args, **kwargs):
             verify_input = batch.spec_info
+            if self.ecospec is not None:
+                self.ecospec.capture.begin_forward()
             output = super().verify(batch, *args, **kwargs)
             if self.ecospec is not None:
+                tokens = getattr(verify_input, "draft_token", None)
+                if tokens is not None and tokens.numel() > 0:
+                    # Counted on the device; the statistics' readers log misses as errors.
+                    self.ecospec.stats.record_capture(self.ecospec.capture.missed())
                 self.ecospec.after_verify(verify_input)
             return output
 

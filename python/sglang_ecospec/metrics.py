@@ -33,11 +33,16 @@ DECODE_LINE_PREFIX = "Decode batch"
 
 
 def decode_log_fields(summary: dict) -> str:
-    """What EcoSpec appends to SGLang's decode log line (leading ", ")."""
-    return (
+    """What EcoSpec appends to SGLang's decode log line (leading ", "); verify steps whose
+    routing was not captured only when there were any."""
+    fields = (
         f", ecospec experts/layer/step: {summary['unique_experts_per_layer']:.2f}"
         f", predictor recall: {summary['predictor_recall']:.3f}"
     )
+    missed = summary.get("capture_missed_steps", 0)
+    if missed:
+        fields += f", ecospec routing not captured: {missed} steps"
+    return fields
 
 
 class EcoSpecMetrics:
@@ -100,6 +105,13 @@ class EcoSpecMetrics:
             labelnames=names,
             **extra,
         ).labels(**labels)
+        self.capture_missed_steps = counter_cls(
+            name="sglang:ecospec_routing_capture_missed_steps",
+            documentation="EcoSpec: verify steps whose routing was not captured for every MoE "
+            "layer (the predictor then learns from stale rows; also logged as an error).",
+            labelnames=names,
+            **extra,
+        ).labels(**labels)
 
     def record(self, summary: dict, accept_length: float | None) -> None:
         """Sets the series from one window (``StatsWindow.read``) and SGLang's acceptance
@@ -108,6 +120,7 @@ class EcoSpecMetrics:
         self.predictor_recall.set(summary["predictor_recall"])
         self.verify_tokens.set(summary["verify_tokens_per_step"])
         self.verify_steps.inc(summary["verify_steps"])
+        self.capture_missed_steps.inc(summary.get("capture_missed_steps", 0))
         if accept_length is not None:
             self.accept_length.set(accept_length)
 

@@ -3,12 +3,15 @@
 Built by the worker (``algorithm.EcoSpecWorker``) once the memory pool is sized: the expert
 predictor (online, or a trained head), the selector, the routing capture and its statistics,
 under expert parallelism the expert -> EP rank placement, with ``eps=auto`` the cost model's
-eps table; it activates the hooks that use them (:mod:`sglang_ecospec.hooks`) and is called
-before each decode step and after each verify.
+eps table, with more than one rank per batch the TP agreement (rank 0's verify set broadcast,
+the periodic predictor-state check: :mod:`sglang_ecospec.tp_agreement`); it activates the
+hooks that use them (:mod:`sglang_ecospec.hooks`) and is called before each decode step and
+after each verify.
 """
 
 import logging
 
+from sglang_ecospec import tp_agreement
 from sglang_ecospec.algorithm import NAME
 from sglang_ecospec.settings import EcoSpecSettings
 
@@ -29,10 +32,13 @@ class EcoSpecRuntime:
         device,
         target_model=None,
         ep_layout=None,
+        tp_check_interval: int = tp_agreement.CHECK_INTERVAL,
     ):
         """Builds and activates everything; ``ep_layout`` is SGLang's EP state
-        (``ep_placement.EPLayout``; None: no EP). ValueError when the settings do not fit
-        the served model or its parallelism."""
+        (``ep_placement.EPLayout``; None: no EP); the ranks sharing the batch are read from
+        SGLang's parallel state (``tp_agreement.selection_group``), their predictor states
+        compared every ``tp_check_interval`` verify steps. ValueError when the settings do
+        not fit the served model or its parallelism."""
         from sgl_ecospec.predictors import LowRankExpertHead, OnlineExpertPredictor
         from sglang_ecospec import ep_placement, eps_table, hooks, metrics, routing, selection
 
@@ -83,6 +89,10 @@ class EcoSpecRuntime:
         self.settings = settings
         self.predictor = predictor
         self.placement = placement
+        # None with one rank per batch: no broadcast, no check.
+        self.tp_sync = tp_agreement.TpAgreement.for_group(
+            tp_agreement.selection_group(), interval=tp_check_interval
+        )
         self.selector = selection.EcoSpecSelector(
             settings,
             predictor,
@@ -92,6 +102,7 @@ class EcoSpecRuntime:
             device=device,
             placement=placement,
             eps_table=table,
+            tp_sync=self.tp_sync,
         )
         self.capture = routing.RoutingCapture(
             layer_ids, top_k, max_batch * num_draft_tokens, device
@@ -117,7 +128,7 @@ class EcoSpecRuntime:
         hooks.activate(bindings)
         logger.info(
             "%s active: %d MoE layers x %d experts (top-%d), predictor %s, policy %s, eps %s, "
-            "share_buffer %s, EP cost %s, learn %s, verify-MoE kernel %s",
+            "share_buffer %s, EP cost %s, learn %s, verify-MoE kernel %s, TP agreement %s",
             NAME,
             len(layer_ids),
             num_experts,
@@ -129,6 +140,7 @@ class EcoSpecRuntime:
             f"over {placement.num_ranks} ranks" if placement is not None else "off",
             settings.learn,
             "on" if self.verify_moe is not None else "off",
+            f"over {self.tp_sync.world_size} ranks" if self.tp_sync is not None else "off",
         )
 
     def before_decode(self, spec_info) -> None:
@@ -158,6 +170,8 @@ class EcoSpecRuntime:
         self.stats.update(routing_ids, predicted)
         if self.settings.learn and not self.predictor.needs_hidden:
             self.predictor.observe(tokens, routing_ids, validate=False)
+        if self.tp_sync is not None:  # every tp_check_interval steps: compare the tables
+            self.tp_sync.after_verify(self.predictor)
         interval = self.settings.log_interval
         if interval and self.log_window.pending_steps >= interval:
             summary = self.log_window.read()

@@ -33,6 +33,11 @@ state ``[B, H]`` proposes all K candidates, at step i the K beams' states ``[B*K
 K children each. The predictions of the verify rows (root, then the chosen candidates) are kept
 in a persistent buffer, so the predictor's recall is measured on what selection used.
 
+Tensor parallelism: every rank of an attention-TP group selects on the same batch, but its
+predictor tables are learnt from its own captured routing and may drift apart, so with more
+than one rank the selector takes rank 0's result (one in-graph broadcast,
+:mod:`sglang_ecospec.tp_agreement`); with one rank nothing is added.
+
 Graph safety: static shapes, no host sync (``validate=False``, the batch size and eps are
 Python numbers), persistent state (the predictor's tables, the root-token buffers, the
 placement) updated in place; the only allocations are the op outputs, as in SGLang's own
@@ -48,11 +53,12 @@ import torch
 
 from sgl_ecospec.ops.selection import SelectionOptions
 from sgl_ecospec.predictors import ExpertPredictor
-from sgl_ecospec.step import select_step
+from sgl_ecospec.step import batch_index, select_step, verify_rows
 from sglang_ecospec.ep_placement import ExpertPlacement
 from sglang_ecospec.eps_table import EpsTable
 from sglang_ecospec.hooks import HookSlot
 from sglang_ecospec.settings import EcoSpecSettings
+from sglang_ecospec.tp_agreement import TpAgreement
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +98,9 @@ class EcoSpecSelector:
             ``num_ranks``), or None: experts priced without EP.
         eps_table: eps by batch size, required with ``settings.eps == "auto"`` and only
             then.
+        tp_sync: with more than one rank sharing the batch, the group's
+            :class:`~sglang_ecospec.tp_agreement.TpAgreement`: every rank returns rank 0's
+            selection. None (one rank): no collective.
     """
 
     def __init__(
@@ -105,6 +114,7 @@ class EcoSpecSelector:
         device,
         placement: ExpertPlacement | None = None,
         eps_table: EpsTable | None = None,
+        tp_sync: TpAgreement | None = None,
     ):
         if settings.eps_auto != (eps_table is not None):
             raise ValueError("eps_table is required with eps='auto' and only then")
@@ -121,6 +131,7 @@ class EcoSpecSelector:
         self.topk = topk
         self.num_draft_tokens = num_draft_tokens
         self.placement = placement
+        self.tp_sync = tp_sync
         self.options = settings.selection_options()
         # One checked copy per eps (the cost model's table has a few buckets), so a decode
         # step does not rebuild and re-check its options.
@@ -247,9 +258,18 @@ class EcoSpecSelector:
         )
         index = step.selected  # [B, D-1] ascending; complete, every candidate is reachable
         draft_tokens = torch.gather(tokens, 1, index.clamp_min(0))  # [B, D-1]
+        predicted = step.verify_predicted  # [B, D, L, K]: root, then the chosen candidates
+        if self.tp_sync is not None:
+            # Rank 0's tree on every rank of the group; this rank's predictions of its rows.
+            parent_list, index, draft_tokens = self.tp_sync.broadcast_selection(
+                parent_list, index, draft_tokens
+            )
+            rows = verify_rows(index)  # [B, D]
+            predicted = step.predicted[batch_index(rows), rows]
         if batch <= self.max_batch and num_draft_token == self.num_draft_tokens:
-            rows = step.verify_predicted  # [B, D, L, K]: root, then the chosen candidates
-            self.verify_topk[: rows.shape[0] * rows.shape[1]].copy_(rows.flatten(0, 1))
+            self.verify_topk[: predicted.shape[0] * predicted.shape[1]].copy_(
+                predicted.flatten(0, 1)
+            )
         self.calls += 1
         return parent_list, index, draft_tokens
 

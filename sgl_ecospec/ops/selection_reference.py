@@ -1,5 +1,10 @@
 """Plain PyTorch reference of ``select_verify_set`` (the C++ and CUDA ops must equal it).
 
+Graph-safe like the native ops: no host sync, no boolean-mask indexing, no data-dependent
+shape (masks and ``torch.where``), so ``torch.compile(fullgraph=True)`` traces it and a
+captured graph replays it on new values (test/ops/test_graph_safety.py). Only a call without
+``num_ranks`` reads ``expert_rank.max()`` back (the public op always passes it).
+
 Shape legend: as :mod:`sgl_ecospec.ops.selection`.
 """
 
@@ -64,41 +69,42 @@ def select_verify_set_reference(
     tokens = torch.full((accounts,), step_tokens * requests, dtype=torch.float64, device=device)
     cost = torch.full((accounts,), step_cost * requests, dtype=torch.float64, device=device)
 
-    def pick(rows: torch.Tensor) -> None:
-        sel = selected[rows]
-        parent_selected = sel.gather(1, parents[rows].clamp(min=0)) | (parents[rows] < 0)
-        available = parent_selected & ~sel
+    def pick(rows: slice) -> None:
+        # rows: every request at once, or one in turn with share_buffer. Masks and where
+        # instead of boolean indexing: no data-dependent shapes, no host sync.
+        sel = selected[rows]  # view [B', N]
+        parent = parents[rows]
+        available = (sel.gather(1, parent.clamp(min=0)) | (parent < 0)) & ~sel
         if policy == "confidence":
             priority = prob[rows]
         else:
             delta = _delta_cost(node_experts[rows], buffer[rows], weights, placement)
             priority = prob[rows] / (delta + eps)
         priority = priority.masked_fill(~available, -math.inf)
-        best = priority.argmax(1) if num_nodes else torch.zeros_like(rows)
-        take = available.any(1)
-        if policy == "adaptive" and num_nodes:
-            account = torch.zeros_like(rows) if share_buffer else rows
-            best_priority = priority.gather(1, best[:, None])[:, 0]
-            take &= best_priority >= tokens[account] / cost[account]
-            taken = account[take]
-            tokens[taken] += prob[rows[take], best[take]]
-            cost[taken] += delta[take, best[take]] + eps
-        chosen_rows, chosen = rows[take], best[take]
-        selected[chosen_rows, chosen] = True
-        if policy != "confidence" and chosen.numel():
-            gained = node_experts[chosen_rows, chosen]
+        best = priority.argmax(1, keepdim=True)  # [B', 1]
+        take = available.any(1, keepdim=True)  # [B', 1]
+        if policy == "adaptive":
+            account = slice(0, 1) if share_buffer else rows
+            best_priority = priority.gather(1, best)
+            take &= best_priority >= (tokens[account] / cost[account])[:, None]
+            tokens[account] += torch.where(take, prob[rows].gather(1, best), 0.0)[:, 0]
+            cost[account] += torch.where(take, delta.gather(1, best) + eps, 0.0)[:, 0]
+        sel.scatter_(1, best, sel.gather(1, best) | take)
+        if policy != "confidence":
+            chosen = node_experts[rows]  # [B', N, L, W]
+            index = best[:, :, None, None].expand(-1, 1, *chosen.shape[2:])
+            gained = chosen.gather(1, index)[:, 0] * take[:, :, None].long()  # [B', L, W]
             if share_buffer:
                 buffer[:] = buffer[0] | _or_reduce(gained)
             else:
-                buffer[chosen_rows] |= gained
+                buffer[rows] |= gained
 
-    all_rows = torch.arange(batch, device=device)
-    for _ in range(budget):
+    for _ in range(budget if num_nodes else 0):
         if share_buffer:
             for b in range(batch):
-                pick(all_rows[b : b + 1])
+                pick(slice(b, b + 1))
         else:
-            pick(all_rows)
+            pick(slice(None))
     return _selected_to_indices(selected, budget)
 
 

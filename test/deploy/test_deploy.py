@@ -113,6 +113,33 @@ def test_build_context_has_the_sources_and_no_environment_or_outputs(tmp_path):
     assert not [p for p in copied if p.endswith((".so", ".pyc")) or "egg-info" in p]
 
 
+# --- building from source: against the environment's torch ------------------------------
+
+
+def test_build_never_fetches_its_own_torch():
+    """``pip install .`` would build in an isolated environment with whatever torch
+    ``[build-system] requires`` names (unpinned: the newest), whose C++ ABI the serving torch
+    does not share. torch is not a build requirement; where it cannot be imported setup.py
+    says to build with ``--no-build-isolation``, and so do the docs."""
+    import tomllib
+
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
+    assert not [r for r in requires if re.match(r"torch\b", r)], requires
+    no_torch = (
+        "import sys; sys.modules['torch'] = None; sys.argv = ['setup.py', '--name']; "
+        "exec(compile(open('setup.py').read(), 'setup.py', 'exec'))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", no_torch], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "`pip install --no-build-isolation .`" in result.stderr
+    for doc in ["docs/sglang.md", "docs/deploy.md"]:
+        commands = re.findall(r"pip3? install[^\n`]*", (ROOT / doc).read_text())
+        builds = [c for c in commands if re.search(r"\s(-e\s+)?\.(\s|$)", c)]
+        assert builds and all("--no-build-isolation" in c for c in builds), (doc, builds)
+
+
 # --- scripts/docker_install.sh, outside Docker ------------------------------------------
 
 
@@ -360,6 +387,31 @@ def test_doc_launch_commands_parse_and_serve_both_models_with_ecospec():
     assert set(launches) == {"/models/Qwen3-235B-A22B", "/models/gpt-oss-120b"}
     assert launches["/models/Qwen3-235B-A22B"].reasoning_parser == "qwen3"
     assert launches["/models/gpt-oss-120b"].reasoning_parser == "gpt-oss"
+
+
+def test_documented_launches_pass_ecospecs_startup_checks(tmp_path):
+    """Every documented ECOSPEC launch (docs/deploy.md, compose.yaml), resolved by SGLang as
+    the worker sees it and checked by the plugin's startup checks (draft tree, parallel
+    layout). The models are stand-ins of the same families (a config only) on the CPU."""
+    from plugin._helpers import write_model_configs
+    from sglang.srt.server_args import prepare_server_args
+    from sglang_ecospec import algorithm, deployment
+
+    models = write_model_configs(tmp_path)
+    family = {"/models/Qwen3-235B-A22B": "qwen3-moe", "/models/gpt-oss-120b": "gpt-oss"}
+    commands = [*doc_commands(), compose()["server"]["command"]]
+    launches = [after_module(c, "sglang.launch_server") for c in commands]
+    launches = [argv for argv in launches if argv is not None]
+    algorithm.register_algorithm()
+    for argv in launches:
+        argv = list(argv)
+        model = argv[argv.index("--model-path") + 1]
+        for flag in ("--model-path", "--speculative-draft-model-path"):
+            argv[argv.index(flag) + 1] = str(models / family[model])
+        args = prepare_server_args([*argv, "--device", "cpu", "--skip-tokenizer-init"])
+        args.resolve_once()
+        deployment.check_startup(args)
+    assert len(launches) == 3
 
 
 def test_doc_bench_commands_parse(monkeypatch):

@@ -1,5 +1,8 @@
-"""Helpers shared by the plugin tests: SGLang draft trees, as its draft worker builds them, and
-spies on the selection step."""
+"""Helpers shared by the plugin tests: SGLang draft trees, as its draft worker builds them,
+spies on the selection step, and model directories holding only a config (for SGLang's
+server-argument resolution)."""
+
+import json
 
 import torch
 from sglang_ecospec import selection
@@ -108,3 +111,64 @@ class StateEchoPredictor(OnlineExpertPredictor):
         offsets = torch.arange(self.top_k)
         ids = (first[:, None] + offsets) % self.num_experts  # [T, K]
         return ids[:, None].expand(-1, self.num_layers, -1)
+
+
+# Small configs of three MoE families (their real expert counts and top-k) for which SGLang
+# 0.5.23 picks (steps 3, topk 1, 4 draft tokens) when no tree flag is given
+# (speculative_hook._auto_choose_speculative_params).
+MOE_CONFIGS = {
+    "qwen3-moe": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "vocab_size": 1000,
+    },
+    "gpt-oss": {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "hidden_size": 64,
+        "intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_local_experts": 128,
+        "num_experts_per_tok": 4,
+        "vocab_size": 1000,
+    },
+    "deepseek-v3": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": 64,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "first_k_dense_replace": 1,
+        "num_attention_heads": 4,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "n_routed_experts": 64,
+        "num_experts_per_tok": 8,
+        "vocab_size": 1000,
+    },
+}
+
+
+def write_model_configs(root):
+    """``root/<name>/config.json`` for every MOE_CONFIGS name (no weights, no tokenizer:
+    enough for ``ServerArgs.resolve_once`` with ``--skip-tokenizer-init``); returns root."""
+    for name, config in MOE_CONFIGS.items():
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(config))
+    return root

@@ -86,3 +86,35 @@ def test_costmodel_adaptive_config_loads_in_sglang(tmp_path, capsys):
         assert params._route(batch).candidate_steps == list(range(k + 1))
     assert cli.main(["costmodel", "--adaptive-config", str(config), "--max-draft-steps", "0"]) == 2
     assert "--max-draft-steps must be an int >= 1" in capsys.readouterr().err
+
+
+def test_worker_counts_verify_steps_whose_routing_was_not_captured(monkeypatch):
+    """The worker clears the capture flags before SGLang's verify and counts, on the device,
+    a verify forward in which some MoE layer's routing was not captured."""
+    import torch
+    from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
+    from sglang_ecospec import algorithm, routing
+
+    capture = routing.RoutingCapture([0, 1], top_k=1, max_tokens=4, device="cpu")
+    captured_layers = []
+
+    def sglang_verify(self, batch):
+        for layer in captured_layers:
+            capture.capture(layer, torch.zeros(4, 1, dtype=torch.long))
+        return "verified"
+
+    monkeypatch.setattr(EAGLEWorkerV2, "verify", sglang_verify)
+    worker = algorithm.worker_class().__new__(algorithm.worker_class())
+    learnt = []
+    worker.ecospec = SimpleNamespace(
+        capture=capture, stats=routing.VerifyStats(8, "cpu"), after_verify=learnt.append
+    )
+    batch = SimpleNamespace(spec_info=SimpleNamespace(draft_token=torch.arange(4)))
+    for layers in ([0, 1], [1], [0, 1]):
+        captured_layers[:] = layers
+        assert worker.verify(batch) == "verified"
+    assert worker.ecospec.stats.totals[2].item() == 1 and len(learnt) == 3
+    # An idle verify (no tokens) is not a missed capture.
+    captured_layers[:] = []
+    worker.verify(SimpleNamespace(spec_info=SimpleNamespace(draft_token=torch.empty(0))))
+    assert worker.ecospec.stats.totals[2].item() == 1

@@ -82,7 +82,11 @@ def test_each_plugin_module_declares_its_sglang_hooks():
             (selection.ORGANIZE_TARGET, HookType.AROUND),
             (selection.SELECT_TARGET, HookType.AROUND),
         },
-        "routing": {(routing.CAPTURE_TARGET, HookType.AFTER)},
+        "routing": {
+            (routing.CAPTURE_TARGET, HookType.AFTER),
+            (f"{routing.TOPK_TARGET}.forward", HookType.AROUND),
+            (f"{routing.TOPK_TARGET}.forward_cuda", HookType.AROUND),
+        },
         "metrics": {(metrics.REPORT_TARGET, HookType.AROUND)},
         "ep_placement": {(ep_placement.UPDATE_TARGET, HookType.AFTER)},
         # The model class's forward is known only at run time: model_forward_hook.

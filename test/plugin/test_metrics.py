@@ -110,6 +110,17 @@ def test_decode_log_hook_reads_nothing_between_log_lines(decode_line_stats, capl
     assert caplog.records[-1].getMessage().endswith("#queue-req: 0")
 
 
+def test_uncaptured_verify_steps_reach_the_decode_line_and_metrics(decode_line_stats, caplog):
+    window, registry, _ = decode_line_stats
+    window.stats.record_capture(torch.tensor(True))  # one of the two steps missed a layer
+    with caplog.at_level(logging.INFO):
+        metrics.report_decode_stats_hook(sglang_decode_line, fake_reporter(tick=True))
+    (line,) = [r.getMessage() for r in caplog.records if r.name == metrics.DECODE_LOGGER]
+    assert line.endswith(", ecospec routing not captured: 1 steps")
+    assert sample(registry, "sglang:ecospec_routing_capture_missed_steps_total") == 1
+    assert any(r.levelno == logging.ERROR and r.name == routing.__name__ for r in caplog.records)
+
+
 def test_report_hook_is_applied_to_sglang_reporter():
     from sglang.srt.managers.scheduler_components.metrics_reporter import SchedulerMetricsReporter
 

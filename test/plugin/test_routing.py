@@ -1,5 +1,6 @@
 """The target's MoE layout, the routing capture hook and the verify statistics."""
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -93,3 +94,111 @@ def test_stats_windows_read_their_own_intervals():
     assert whole["verify_steps"] == 3 and whole["verify_tokens_per_step"] == 2.0
     assert whole["unique_experts_per_layer"] == pytest.approx(5 / 3)
     assert 0.0 <= whole["predictor_recall"] <= 1.0
+
+
+# --- TopK outputs that SGLang does not capture ----------------------------------------------
+
+
+def topk_layer(layer_id, *, capture=True):
+    """What the TopK hook reads of SGLang's ``TopK``: its config (the PyTorch routing, so
+    that ``select_experts`` runs on the CPU) and layer id."""
+    from sglang.srt.layers.moe.topk import TopKConfig
+
+    config = TopKConfig(
+        top_k=2,
+        layer_id=layer_id,
+        renormalize=True,
+        torch_native=True,
+        allow_routed_experts_capture=capture,
+    )
+    return SimpleNamespace(topk_config=config, layer_id=layer_id)
+
+
+def test_topk_hook_captures_routing_of_kernel_routed_outputs():
+    """GPT-OSS's ``triton_kernel`` runner and the FlashInfer TRT-LLM / mxfp4 runners get a
+    ``TritonKernelTopKOutput`` / ``BypassedTopKOutput`` (no ids, SGLang's capture site never
+    called): the hook captures the same experts the standard path would."""
+    from sglang.srt.layers.moe.topk import (
+        BypassedTopKOutput,
+        StandardTopKOutput,
+        TopK,
+        TritonKernelTopKOutput,
+    )
+    from sglang_ecospec import hooks
+
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(5, 8, generator=gen)
+    logits = [torch.randn(5, 16, generator=gen) for _ in range(2)]
+    truth = [x.topk(2).indices.sort(-1).values for x in logits]  # softmax top-2 = logit top-2
+    capture = routing.RoutingCapture([0, 3], top_k=2, max_tokens=4, device="cpu")
+    bindings = [routing.slot.bind(capture)]
+    hooks.activate(bindings)  # SGLang's TopK and capture site hooked in this process
+    try:
+        triton = TritonKernelTopKOutput(None, torch.empty(0), torch.empty(0), torch.empty(0), 2)
+        # Through SGLang's own call path: nn.Module.__call__ -> the hooked TopK.forward ->
+        # BaseFusedOp.forward -> the resolved platform method (here returning the output of
+        # the triton_kernel runner's routing).
+        layer3 = TopK.__new__(TopK)
+        torch.nn.Module.__init__(layer3)
+        layer3.topk_config, layer3.layer_id = topk_layer(3).topk_config, 3
+        layer3._forward_method = lambda hidden_states, router_logits: triton
+        capture.begin_forward()
+        assert layer3(hidden, logits[1]) is triton
+        assert capture.written.tolist() == [False, True] and bool(capture.missed())
+        layer0 = topk_layer(0)
+        bypassed = BypassedTopKOutput(hidden, logits[0], layer0.topk_config)
+        # Called as TopK.forward -> (cached dispatch) TopK.forward_cuda: captured once.
+        inner = lambda topk, h, router_logits: bypassed  # noqa: E731
+
+        def outer(topk, *args, **kwargs):
+            return routing.around_topk(inner, topk, *args, **kwargs)
+
+        before = capture.captures
+        assert routing.around_topk(outer, layer0, hidden, router_logits=logits[0]) is bypassed
+        assert capture.captures == before + 1 and not bool(capture.missed())
+        got = capture.verify_routing(4).sort(-1).values  # [T, L, K]
+        assert torch.equal(got[:, 0], truth[0][:4]) and torch.equal(got[:, 1], truth[1][:4])
+        # Standard outputs were captured by SGLang's select_experts; draft layers opt out.
+        capture.begin_forward()
+        standard = StandardTopKOutput(torch.ones(5, 2), truth[0], logits[0])
+        routing.around_topk(lambda *a: standard, topk_layer(0), hidden, logits[0])
+        draft = topk_layer(3, capture=False)
+        routing.around_topk(lambda *a: triton, draft, hidden, logits[1])
+        assert capture.written.tolist() == [False, False]
+    finally:
+        hooks.deactivate(bindings)
+    # Without an ECOSPEC capture in the process the hook only returns SGLang's output.
+    capture.begin_forward()
+    routing.around_topk(lambda *a: triton, topk_layer(3), hidden, logits[1])
+    assert not capture.written.any()
+
+
+def test_uncaptured_verify_steps_are_counted_and_logged_once(caplog):
+    predictor = OnlineExpertPredictor(2, 8, 1, num_buckets=64)
+    capture = routing.RoutingCapture([0, 1], top_k=1, max_tokens=2, device="cpu")
+    stats = routing.VerifyStats(8, "cpu")
+    first, second = stats.window(), stats.window()
+    config = SimpleNamespace(allow_routed_experts_capture=True)
+
+    def verify_step(layers):
+        """A verify forward in which SGLang's capture site ran for ``layers`` only."""
+        capture.begin_forward()
+        for layer in layers:
+            routing.after_capture(None, config, layer, torch.tensor([[layer], [2]]))
+        stats.record_capture(capture.missed())
+        stats.update(capture.verify_routing(2), predictor.predict_topk(torch.tensor([1, 2])))
+
+    routing.slot.activate(capture)
+    try:
+        for layers in ([0, 1], [0], [1]):  # the last two steps miss a layer
+            verify_step(layers)
+        with caplog.at_level(logging.ERROR, logger=routing.__name__):
+            assert first.read()["capture_missed_steps"] == 2
+            assert second.read()["capture_missed_steps"] == 2  # its own window, logged once
+        (error,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+        assert "routing was not captured in 2 verify step(s)" in error.getMessage()
+        assert "--moe-runner-backend" in error.getMessage()
+        verify_step([0, 1])
+        assert first.read()["capture_missed_steps"] == 0
+    finally:
+        routing.slot.activate(None)

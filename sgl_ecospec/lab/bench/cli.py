@@ -150,6 +150,19 @@ def speculative_run(cfg, engine, budget, policy, groups_by_name, prompts, greedy
     }
 
 
+# Wall time of one speculative run over the greedy pass's (CPU, testbed, batch 1; measured
+# on the main job, docs/RESULTS.md).
+SPEC_RUN_VS_GREEDY = 1.0
+
+
+def _time_estimate(greedy_seconds: float, num_runs: int) -> str:
+    minutes = greedy_seconds * SPEC_RUN_VS_GREEDY * num_runs / 60
+    return (
+        f"[bench] greedy pass: {greedy_seconds:.0f}s; {num_runs} speculative runs follow, "
+        f"about {max(1, round(minutes))} min"
+    )
+
+
 def run_bench(cfg: BenchConfig, engine, prompts: dict, *, out=None) -> dict:
     """Greedy once, then speculative decoding per (budget, policy); returns the report.
 
@@ -197,6 +210,7 @@ def run_bench(cfg: BenchConfig, engine, prompts: dict, *, out=None) -> dict:
             "policies": {},
             "sweep": [],
         }
+        progress.write(_time_estimate(seconds, len(runs)), sys.stderr)
         progress.write(report.preamble(rep) + "\n\n" + report.table_header(), out)
         for budget, policy in runs:
             entry = speculative_run(

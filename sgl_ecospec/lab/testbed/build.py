@@ -393,6 +393,9 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "build":
         info = read_info(out)
         summary = {k: info[k] for k in ("hash", "dense_perplexity", "moe_perplexity", "acceptance")}
+        summary["weights_sha256"] = info["weights_sha256"]
+        source = info["draft_source"]
+        summary["draft"] = f"shipped {source['shipped']}" if "shipped" in source else "trained"
         _stderr(json.dumps(summary, indent=2))
     print(f"target={out / 'target'}")
     print(f"draft={out / 'draft'}")
