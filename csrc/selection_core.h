@@ -1,7 +1,7 @@
-// Selection rules shared by the CPU op (selection.cpp) and the CUDA kernels
-// (ops_cuda.cu): one definition of a node's cost and priority, of the tie rule and of the
-// adaptive stop test, so that both choose exactly the same nodes as the PyTorch reference
-// (sgl_ecospec.ops.selection.select_verify_set_reference).
+// Selection rules shared by the CPU op (selection.cpp) and the CUDA kernel
+// (selection_cuda.cuh): one definition of a node's cost and priority, of the tie rule and
+// of the adaptive stop test, so that both choose exactly the same nodes as the PyTorch
+// reference (sgl_ecospec.ops.selection.select_verify_set_reference).
 #pragma once
 
 #include <cstdint>
@@ -94,13 +94,24 @@ SGL_HD int64_t rank_of(const Placement& p, int64_t layer, int64_t e) {
   return r >= 0 && r < p.num_ranks ? r : -1;
 }
 
-// Experts of one layer of `node` missing from `buffer` that live on rank `r`.
-SGL_HD int64_t fresh_on_rank(const Placement& p, int64_t layer, const uint64_t* node,
+// The ranks of one layer's experts under a placement: rank_of(p, layer, e) as a function of
+// e alone. The rules below take any such function, so the CUDA kernel can read a copy of
+// the rank table in shared memory (with the same -1 for "no rank") and stay the same rules.
+struct PlacementLayer {
+  Placement p;
+  int64_t layer;
+  SGL_HD int64_t operator()(int64_t e) const { return rank_of(p, layer, e); }
+};
+
+// Experts of one layer of `node` missing from `buffer` that live on rank `r` (`ranks`: the
+// layer's rank function, -1 for none).
+template <typename LayerRanks>
+SGL_HD int64_t fresh_on_rank(const LayerRanks& ranks, const uint64_t* node,
                              const uint64_t* buffer, int64_t words, int64_t r) {
   int64_t count = 0;
   for (int64_t w = 0; w < words; ++w) {
     for (uint64_t fresh = node[w] & ~buffer[w]; fresh != 0; fresh &= fresh - 1) {
-      count += rank_of(p, layer, w * kBitsPerWord + lowest_bit(fresh)) == r;
+      count += ranks(w * kBitsPerWord + lowest_bit(fresh)) == r;
     }
   }
   return count;
@@ -114,7 +125,9 @@ constexpr int kRankTally = 16;
 // buffer's experts on rank r and peak = max_r loads[r], the busiest rank rises by
 // rise = max_r (loads[r] + fresh[r]) - peak, and the cost is
 // rise + total_weight x (fresh experts - rise) = (1 - tw) rise + tw x fresh experts.
-SGL_HD double ep_layer_cost(const Placement& p, int64_t layer, const uint64_t* node,
+// `ranks`: the layer's rank function (PlacementLayer or the CUDA kernel's table).
+template <typename LayerRanks>
+SGL_HD double ep_layer_cost(const LayerRanks& ranks, double total_weight, const uint64_t* node,
                             const uint64_t* buffer, int64_t words, const int32_t* loads,
                             int32_t peak) {
   // Tally the fresh experts per rank in a small table (distinct ranks <= fresh experts).
@@ -125,7 +138,7 @@ SGL_HD double ep_layer_cost(const Placement& p, int64_t layer, const uint64_t* n
   int64_t added = 0;
   for (int64_t w = 0; w < words; ++w) {
     for (uint64_t fresh = node[w] & ~buffer[w]; fresh != 0; fresh &= fresh - 1) {
-      const int64_t r = rank_of(p, layer, w * kBitsPerWord + lowest_bit(fresh));
+      const int64_t r = ranks(w * kBitsPerWord + lowest_bit(fresh));
       if (r < 0) continue;
       ++added;
       int k = 0;
@@ -151,15 +164,15 @@ SGL_HD double ep_layer_cost(const Placement& p, int64_t layer, const uint64_t* n
     // More distinct ranks than the table holds: count each fresh expert's rank anew.
     for (int64_t w = 0; w < words; ++w) {
       for (uint64_t fresh = node[w] & ~buffer[w]; fresh != 0; fresh &= fresh - 1) {
-        const int64_t r = rank_of(p, layer, w * kBitsPerWord + lowest_bit(fresh));
+        const int64_t r = ranks(w * kBitsPerWord + lowest_bit(fresh));
         if (r < 0) continue;
-        const int64_t on_rank = loads[r] + fresh_on_rank(p, layer, node, buffer, words, r);
+        const int64_t on_rank = loads[r] + fresh_on_rank(ranks, node, buffer, words, r);
         if (on_rank > new_peak) new_peak = on_rank;
       }
     }
   }
   const double rise = static_cast<double>(new_peak - peak);
-  return add_rn(rise, mul_rn(p.total_weight, static_cast<double>(added) - rise));
+  return add_rn(rise, mul_rn(total_weight, static_cast<double>(added) - rise));
 }
 
 // DeltaCost of `node` against `buffer`: missing experts, or with a placement the
@@ -171,8 +184,8 @@ SGL_HD double delta_cost(const uint64_t* node, const uint64_t* buffer, int64_t l
   if (!p.enabled) return missing_experts(node, buffer, layers, words, weights);
   double total = 0.0;
   for (int64_t l = 0; l < layers; ++l) {
-    const double cost = ep_layer_cost(p, l, node + l * words, buffer + l * words, words,
-                                      loads + l * p.num_ranks, peaks[l]);
+    const double cost = ep_layer_cost(PlacementLayer{p, l}, p.total_weight, node + l * words,
+                                      buffer + l * words, words, loads + l * p.num_ranks, peaks[l]);
     total = add_rn(total, weights == nullptr ? cost : mul_rn(weights[l], cost));
   }
   return total;

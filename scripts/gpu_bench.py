@@ -1,11 +1,13 @@
 """GPU timings for the device check (scripts/gpu_check.sh): selection ops and the verify-MoE
-kernel, with CUDA events and medians, plus the MoESD expert-cost fit of the kernel timings.
+kernel, with CUDA events and medians, plus the MoESD expert-cost fit of the kernel timings,
+and the CUDA-graph check of the selection op and the online predictor.
 
     python3 scripts/gpu_bench.py --out $OUT                  # on the GPU machine
     TRITON_INTERPRET=1 python3 scripts/gpu_bench.py --tiny --device cpu --out /tmp/x
                                                               # logic check on a CPU
 
-Writes gpu_bench.json and h200.md (a table with the date and device) into --out.
+Writes gpu_bench.json, graph_check.json and h200.md (a table with the date and device) into
+--out. Selection: scripts/gpu_bench_selection.py; graphs: scripts/gpu_graph_check.py.
 """
 
 import argparse
@@ -18,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from sgl_ecospec import select_verify_set
-from sgl_ecospec.costmodel.formulas import roofline_transition
-from sgl_ecospec.ops.verify_moe import verify_moe, verify_moe_reference
-from sgl_ecospec.synthetic import random_draft_tree
+sys.path.insert(0, str(Path(__file__).parent))
+import gpu_bench_selection  # noqa: E402
+import gpu_graph_check  # noqa: E402
 
-SELECTION_SHAPES = {"qwen3-235b-a22b": (94, 128), "deepseek-v3": (58, 256)}
+from sgl_ecospec.costmodel.formulas import roofline_transition  # noqa: E402
+from sgl_ecospec.ops.verify_moe import verify_moe, verify_moe_reference  # noqa: E402
 
 
 def median_time(fn, device: torch.device, repeats: int, warmup: int = 3) -> float:
@@ -44,58 +46,6 @@ def median_time(fn, device: torch.device, repeats: int, warmup: int = 3) -> floa
             fn()
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def bench_selection(device, batches, nodes, budget, repeats, tiny):
-    rows = []
-    shapes = {"tiny": (4, 70)} if tiny else SELECTION_SHAPES
-    for model, (layers, experts) in shapes.items():
-        for batch in batches:
-            tree = random_draft_tree(batch, nodes, layers, experts, 8, seed=batch)
-            on_device = [t.to(device) for t in (tree.scores, tree.parents, tree.node_experts)]
-            roots = tree.root_experts.to(device)
-            for policy, shared in (("ecospec", False), ("ecospec", True), ("confidence", False)):
-
-                def run(policy=policy, shared=shared, on_device=on_device, roots=roots):
-                    return select_verify_set(
-                        *on_device,
-                        budget,
-                        root_experts=roots,
-                        policy=policy,
-                        share_buffer=shared,
-                        validate=False,
-                    )
-
-                expected = select_verify_set(
-                    tree.scores,
-                    tree.parents,
-                    tree.node_experts,
-                    budget,
-                    root_experts=tree.root_experts,
-                    policy=policy,
-                    share_buffer=shared,
-                    impl="reference",
-                )
-                matches = bool(torch.equal(run().cpu(), expected))
-                seconds = median_time(run, device, repeats)
-                rows.append(
-                    dict(
-                        model=model,
-                        layers=layers,
-                        num_experts=experts,
-                        batch=batch,
-                        policy=policy,
-                        share_buffer=shared,
-                        us=seconds * 1e6,
-                        matches_reference=matches,
-                    )
-                )
-                print(
-                    f"select {model:16} {policy:10} shared={shared!s:5} B={batch:3} "
-                    f"{seconds * 1e6:9.1f} us  matches={matches}",
-                    flush=True,
-                )
-    return rows
 
 
 def routing_with_unique(tokens: int, top_k: int, unique: int, experts: int, gen) -> torch.Tensor:
@@ -218,16 +168,8 @@ def write_markdown(path, device_name, result):
         f"Date: {result['date']}. Command: `bash scripts/gpu_check.sh` (scripts/gpu_bench.py).",
         f"torch {result['torch']}, CUDA events, medians of {result['repeats']} runs.",
         "",
-        "## Selection (N = 64 candidates, budget 16)",
-        "",
-        "| shapes | policy | shared | B | time (us) | equals reference |",
-        "|---|---|---|---|---|---|",
     ]
-    lines += [
-        f"| {r['model']} | {r['policy']} | {r['share_buffer']} | {r['batch']} | "
-        f"{r['us']:.1f} | {r['matches_reference']} |"
-        for r in sel
-    ]
+    lines += gpu_bench_selection.markdown(sel)
     lines += [
         "",
         f"## Verify MoE kernel ({moe['shape']})",
@@ -256,6 +198,18 @@ def write_markdown(path, device_name, result):
         f"{100 * max(abs(r) for r in fit['residuals']):.2f}%.",
         "",
     ]
+    lines += [
+        "## CUDA graphs: capture once, change the inputs in place, replay",
+        "",
+        "Each replay equals an eager call on the new state (and the selection the reference).",
+        "",
+        "| captured | replay equals eager | output followed the new inputs |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {r['check']} | {r['ok']} | {r['inputs_changed_output']} |" for r in result["graphs"]
+    ]
+    lines.append("")
     path.write_text("\n".join(lines))
 
 
@@ -272,9 +226,8 @@ def main(argv=None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     batches = [1, 2] if args.tiny else [1, 8, 32, 64]
-    selection = bench_selection(
-        device, batches, 16 if args.tiny else 64, 4 if args.tiny else 16, args.repeats, args.tiny
-    )
+    selection = gpu_bench_selection.bench_selection(device, batches, args.repeats, args.tiny)
+    graphs = gpu_graph_check.run_checks(device, args.tiny or device.type == "cpu")
     shape, moe_rows = bench_verify_moe(device, args.repeats, args.tiny)
     bandwidth = copy_bandwidth(device, (1 << 20) if args.tiny else (4 << 30), args.repeats)
     ridge = 206.0  # H200 bf16 FLOP per byte (docs/costmodel.md); used as G's knee scale
@@ -284,17 +237,24 @@ def main(argv=None) -> int:
         device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         repeats=args.repeats,
         selection=selection,
+        graphs=graphs,
         verify_moe=dict(shape=shape, rows=moe_rows),
         copy_bandwidth=bandwidth,
         fit=fit_expert_cost(moe_rows, shape["top_k"], ridge),
     )
     (args.out / "gpu_bench.json").write_text(json.dumps(result, indent=2))
+    (args.out / "graph_check.json").write_text(json.dumps(graphs, indent=2))
     write_markdown(args.out / "h200.md", result["device"], result)
     print(f"wrote {args.out / 'gpu_bench.json'} and {args.out / 'h200.md'}")
     failures = [r for r in selection if not r["matches_reference"]]
     failures += [r for r in moe_rows if not r["bitmap_ok"] or r["rel_error"] > 2e-2]
+    failures += gpu_graph_check.failures(graphs)
     if failures:
-        print(f"error: {len(failures)} results disagree with the reference", file=sys.stderr)
+        print(
+            f"error: {len(failures)} results disagree with the reference or the eager call: "
+            f"{failures}",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

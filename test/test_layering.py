@@ -17,7 +17,7 @@ PLUGINS = ("sglang_ecospec", "sglang_ecospec_cpu")
 LIBRARY_FORBIDDEN = ("transformers", "sglang", "sgl_ecospec.lab", *PLUGINS)
 MAX_LINES = 500
 SIZE_CHECKED = ("sgl_ecospec", "python", "csrc", "scripts")
-SIZE_SUFFIXES = (".py", ".cpp", ".cu", ".h")
+SIZE_SUFFIXES = (".py", ".cpp", ".cu", ".cuh", ".h")
 
 
 def imported_modules(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:

@@ -7,21 +7,24 @@ EAGLE3 does (``is_eagle3()`` is True: aux hidden-state capture, the draft's voca
 the V2 worker path), and :class:`EcoSpecWorker` is SGLang's ``EAGLEWorkerV2`` plus:
 
 - at start: the startup checks (:mod:`sglang_ecospec.deployment`: draft tree, parallel
-  layout, compiled CUDA ops), then the EcoSpec runtime
+  layout, compiled CUDA ops), then, before SGLang sizes the KV pool, the EcoSpec runtime
   (:class:`sglang_ecospec.runtime.EcoSpecRuntime`: settings, expert predictor: online, or a
-  trained head, selector, routing capture) sized to the memory pool, and the hooks
+  trained head, selector, routing capture) sized to the largest batch, with its per-step
+  memory reserved until the pool is sized (:mod:`sglang_ecospec.memory`), and the hooks
   (``organize_draft_results``, ``select_top_k_tokens``, ``capture_routed_experts_if_allowed``,
   ``TopK.forward``; :mod:`sglang_ecospec.hooks`) active in this
   process; under expert parallelism the expert -> EP rank placement from SGLang's expert
   location metadata (and the EPLB refresh hook), with ``eps=auto`` the cost model's eps
   table;
-- before each decode step: the batch's bonus tokens copied into the selector (seeds of the
-  expert buffer);
+- before each decode step: a pending EPLB refresh of the EP placement applied on the
+  forward stream, the batch's bonus tokens copied into the selector (seeds of the expert
+  buffer);
 - after each verify: whether every MoE layer's routing was captured (counted on the device),
   and the verify tokens' captured routing feeds the statistics and the online predictor (no
   host sync); the statistics are read (one host sync each) for SGLang's decode
-  log line and /metrics (:mod:`sglang_ecospec.metrics`, once per ``--decode-log-interval``)
-  and for the "EcoSpec:" line (once per ``log_interval`` verify steps).
+  log line and /metrics (:mod:`sglang_ecospec.metrics`, once per ``--decode-log-interval``);
+  the "EcoSpec:" line (every ``log_interval`` verify steps) copies them asynchronously and
+  is logged after a later decode batch's results, once the copy has landed.
 
 What EAGLE3 gets from SGLang code that tests the literal string "EAGLE3" (or "EAGLE"), and
 ECOSPEC therefore does not, is listed in docs/sglang.md.
@@ -156,31 +159,63 @@ def _make_worker_class():
 
         def __init__(self, server_args, gpu_id, nccl_port, target_worker):
             from sglang_ecospec.deployment import check_startup
+            from sglang_ecospec.memory import max_batch_bound
 
             # Server arguments are final here (SGLang's automatic choices made): refuse what
             # ECOSPEC cannot serve before the draft model is loaded.
             check_startup(server_args)
             super().__init__(server_args, gpu_id, nccl_port, target_worker)
             self.ecospec_settings = EcoSpecSettings.from_env()
-            self.ecospec = None  # runtime.EcoSpecRuntime, built in alloc_memory_pool
+            self.ecospec = None  # runtime.EcoSpecRuntime
+            self.ecospec_reservation = None  # memory.Reservation, held until the KV pool
+            max_batch = max_batch_bound() if self._draft_worker is not None else None
+            if max_batch is not None:
+                # SGLang creates this worker right before Scheduler.init_memory_pools sizes
+                # the KV pool from the free memory: what is allocated (and reserved) now
+                # is charged to the pool, not to --mem-fraction-static's slack.
+                self._build_ecospec(max_batch, reserve=True)
+
+        def _build_ecospec(self, max_batch: int, *, reserve: bool) -> None:
+            from sglang_ecospec.ep_placement import sglang_layout
+            from sglang_ecospec.memory import Reservation
+            from sglang_ecospec.runtime import EcoSpecRuntime
+
+            runner = self._target_worker.model_runner
+            self.ecospec = EcoSpecRuntime(
+                self.ecospec_settings,
+                runner.model_config.hf_config,
+                topk=self.topk,
+                num_draft_tokens=self.speculative_num_draft_tokens,
+                num_steps=self.speculative_num_steps,
+                max_batch=max_batch,
+                device=torch.device(self.device),
+                target_model=runner.model,
+                ep_layout=sglang_layout(),
+            )
+            usage = self.ecospec.memory
+            if reserve:
+                self.ecospec_reservation = Reservation(usage.step, self.device)
+            logger.info(
+                "%s (batches of up to %d requests; %s)",
+                usage.describe(),
+                max_batch,
+                "before the KV pool is sized" if reserve else "NOT in the KV pool's budget",
+            )
 
         def alloc_memory_pool(self, *args, **kwargs):
             super().alloc_memory_pool(*args, **kwargs)
-            pool = kwargs.get("req_to_token_pool") or self.req_to_token_pool
-            if self.ecospec is None and self._draft_worker is not None:
-                from sglang_ecospec.ep_placement import sglang_layout
-                from sglang_ecospec.runtime import EcoSpecRuntime
-
-                self.ecospec = EcoSpecRuntime(
-                    self.ecospec_settings,
-                    self._target_worker.model_runner.model_config.hf_config,
-                    topk=self.topk,
-                    num_draft_tokens=self.speculative_num_draft_tokens,
-                    max_batch=pool.req_to_token.shape[0],
-                    device=torch.device(self.device),
-                    target_model=self._target_worker.model_runner.model,
-                    ep_layout=sglang_layout(),
+            if self._draft_worker is None:
+                return
+            if self.ecospec is None:  # no max batch known before the pool: built now
+                pool = kwargs.get("req_to_token_pool") or self.req_to_token_pool
+                logger.warning(
+                    "%s: the largest batch was unknown before the KV pool was sized; its "
+                    "memory comes out of --mem-fraction-static's slack",
+                    NAME,
                 )
+                self._build_ecospec(pool.req_to_token.shape[0], reserve=False)
+            if self.ecospec_reservation is not None:  # the KV pool is sized: free for steps
+                self.ecospec_reservation.release()
 
         def forward_batch_generation(self, batch, *args, **kwargs):
             if self.ecospec is not None and not (
@@ -192,13 +227,9 @@ def _make_worker_class():
         def verify(self, batch, *args, **kwargs):
             verify_input = batch.spec_info
             if self.ecospec is not None:
-                self.ecospec.capture.begin_forward()
+                self.ecospec.before_verify()
             output = super().verify(batch, *args, **kwargs)
             if self.ecospec is not None:
-                tokens = getattr(verify_input, "draft_token", None)
-                if tokens is not None and tokens.numel() > 0:
-                    # Counted on the device; the statistics' readers log misses as errors.
-                    self.ecospec.stats.record_capture(self.ecospec.capture.missed())
                 self.ecospec.after_verify(verify_input)
             return output
 

@@ -18,9 +18,16 @@ by ``sgl_ecospec.placement.expert_rank_map``:
 A model without expert-location metadata keeps SGLang's plain layout, logical expert e in
 slot e (rank-major).
 
-EPLB rebalances by ``ExpertLocationMetadata.update`` on the global metadata, in place;
-:func:`after_location_update` (an AFTER hook on it) recomputes the active placement into the
-same buffer, so CUDA graphs captured before keep reading the current ranks. A replaced
+EPLB rebalances by ``ExpertLocationMetadata.update`` on the global metadata, in place, on
+whatever stream is current there, while a draft step (a CUDA graph reading ``expert_rank``)
+may be running on the scheduler's forward stream. So :func:`after_location_update` (an AFTER
+hook on it) only marks the active placement stale (:meth:`ExpertPlacement.request_refresh`,
+recording an event on EPLB's stream after its writes), and the worker applies it at the start
+of the next decode step (:meth:`ExpertPlacement.apply_refresh`, from
+``EcoSpecRuntime.before_decode``): on the forward stream, which first waits for that event,
+then recomputes the placement into the same buffer. The copy is thereby ordered after every
+draft step already queued on the forward stream and before the next one; no step sees a
+half-written map, and CUDA graphs captured before keep reading the current ranks. A replaced
 metadata object of another EP size (elastic EP scaling) is not followed.
 
 Shape legend: L = MoE layers the predictor covers, E = logical experts per layer.
@@ -107,6 +114,8 @@ class ExpertPlacement:
         self.expert_rank = torch.zeros(
             (len(self.layer_ids), num_experts), dtype=torch.int64, device=device
         )
+        self._pending = False  # an EPLB update not yet applied (request_refresh)
+        self._written = None  # its event on EPLB's stream (CUDA)
         self._check_metadata()
         self.refresh(validate=True)
 
@@ -154,9 +163,34 @@ class ExpertPlacement:
         return ranks.to(device)
 
     def refresh(self, *, validate: bool = False) -> None:
-        """Recomputes the placement into ``expert_rank`` in place (graph-safe: same
-        buffer, no host sync unless ``validate``)."""
+        """Recomputes the placement into ``expert_rank`` in place, on the current stream
+        (graph-safe: same buffer, no host sync unless ``validate``)."""
         self.expert_rank.copy_(self.ranks(validate=validate))
+
+    @property
+    def refresh_pending(self) -> bool:
+        """The metadata changed since the last refresh (:meth:`request_refresh`)."""
+        return self._pending
+
+    def request_refresh(self) -> None:
+        """Marks the placement stale after an EPLB update; on a CUDA device records an event
+        on the current stream (EPLB's, after its metadata writes). Nothing is copied."""
+        self._pending = True
+        self._written = None
+        if self.expert_rank.is_cuda:
+            self._written = torch.cuda.Event()
+            self._written.record()
+
+    def apply_refresh(self) -> bool:
+        """At the start of a decode step, on the forward stream: a pending refresh, after
+        waiting (on the device) for EPLB's writes. Returns whether one was applied."""
+        if not self._pending:
+            return False
+        if self._written is not None:
+            torch.cuda.current_stream(self.expert_rank.device).wait_event(self._written)
+        self.refresh()
+        self._pending, self._written = False, None
+        return True
 
     def follows(self, metadata) -> bool:
         """This placement is computed from ``metadata`` (the object EPLB updates)."""
@@ -170,10 +204,12 @@ slot: HookSlot[ExpertPlacement] = HookSlot("expert placement")
 
 @slot.hook(UPDATE_TARGET, HookType.AFTER)
 def after_location_update(result, metadata, *args, **kwargs):
-    """AFTER hook on ``ExpertLocationMetadata.update`` (EPLB rebalance): refreshes the active
-    placement when it reads the updated metadata. Returns SGLang's result unchanged."""
+    """AFTER hook on ``ExpertLocationMetadata.update`` (EPLB rebalance): marks the active
+    placement stale when it reads the updated metadata; the worker applies the refresh at the
+    next decode step, on the forward stream (module doc). Returns SGLang's result
+    unchanged."""
     placement = slot.active()
     if placement is not None and placement.follows(metadata):
-        placement.refresh()
-        logger.info("ECOSPEC: expert placement refreshed after an EPLB update")
+        placement.request_refresh()
+        logger.info("ECOSPEC: expert placement refresh after an EPLB update, at the next step")
     return result

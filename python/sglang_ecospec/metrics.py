@@ -14,6 +14,11 @@ ECOSPEC worker in its scheduler process only) does, on exactly those calls:
 - with ``--enable-metrics``, sets :class:`EcoSpecMetrics` (labels and metric classes taken
   from SGLang's scheduler collector, multiprocess mode like SGLang's gauges).
 
+On every call (each decode batch's results, SGLang's host-side bookkeeping) it also logs the
+"EcoSpec:" lines whose asynchronous snapshots have landed (``EcoSpecRuntime.poll_log``, held
+by :data:`log_line_slot`; it never waits), so no read of the statistics sits on the forward
+path.
+
 Without an active window (EAGLE3 and every other algorithm) the hook calls SGLang's method
 and nothing else.
 """
@@ -146,6 +151,9 @@ class DecodeLineFields(logging.Filter):
 # The decode-log window of this process's ECOSPEC worker (a routing.StatsWindow); empty, the
 # hook only calls SGLang's method.
 slot: HookSlot = HookSlot("decode log window")
+# The "EcoSpec:" line's poll (``EcoSpecRuntime.poll_log``), called by the same hook; it adds
+# no hook of its own.
+log_line_slot: HookSlot = HookSlot("EcoSpec log line")
 _line_fields = DecodeLineFields()
 _metrics: EcoSpecMetrics | None = None
 
@@ -186,6 +194,9 @@ def metrics_for(collector) -> EcoSpecMetrics:
 @slot.hook(REPORT_TARGET)
 def report_decode_stats_hook(original, reporter, *args, **kwargs):
     """AROUND hook on ``SchedulerMetricsReporter.report_decode_stats`` (module doc)."""
+    poll = log_line_slot.active()
+    if poll is not None:
+        poll()
     window = slot.active()
     if window is None or not is_report_tick(reporter):
         return original(reporter, *args, **kwargs)

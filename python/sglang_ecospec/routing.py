@@ -20,16 +20,25 @@ and never calls it, so :func:`around_topk` (an AROUND hook on ``TopK.forward`` a
 routing the kernel computes from the same logits and config), which calls the capture site;
 SGLang's expert-distribution recorder is switched off meanwhile, so nothing is counted twice.
 
-Every verify step is checked: each MoE layer's capture sets a device flag
-(:attr:`RoutingCapture.written`, cleared before the verify forward), and a step in which any
-layer stayed unset is counted on the device (:meth:`VerifyStats.record_capture`); every read of
-the statistics logs new misses as an error, and they are a Prometheus counter
-(:mod:`sglang_ecospec.metrics`).
+Every verify step is checked: the buffer is filled with -1 before the verify forward
+(:meth:`RoutingCapture.begin_forward`), so a verify token row of a MoE layer that SGLang did
+not capture still holds -1 afterwards, and :meth:`VerifyStats.update` counts such a step on
+the device; every read of the statistics logs new misses as an error, and they are a
+Prometheus counter (:mod:`sglang_ecospec.metrics`). One ``copy_`` per MoE layer is all the
+capture adds to a target forward.
+
+After each verify the worker measures the step (:meth:`VerifyStats.update`: a few kernels on
+``[T, L, K]``, no ``[T, L, E]`` temporary, no host sync). The totals stay on the device; they
+reach the host only when read: SGLang's decode log line and /metrics read them once per
+``--decode-log-interval`` (:meth:`StatsWindow.read`, one host sync), and the "EcoSpec:" line
+takes an asynchronous snapshot (:meth:`StatsWindow.request`, a device -> pinned host copy and
+an event) that it logs once the copy has landed (:meth:`StatsWindow.ready`, never waiting).
 
 Shape legend: T = tokens of a forward, R = buffer rows, L = MoE layers, K = experts per token.
 """
 
 import logging
+from typing import NamedTuple
 
 import torch
 from sglang.srt.plugins.hook_registry import HookType
@@ -88,43 +97,41 @@ class RoutingCapture:
     """The verify pass's routing, written by the capture hook.
 
     Attributes:
-        buffer: int64 ``[R, L, K]``: expert ids of the last target forward's first R tokens.
+        buffer: int64 ``[R, L, K]``: expert ids of the last target forward's first R tokens;
+            -1 where nothing was captured since :meth:`begin_forward`.
         layer_rows: target layer id -> row of ``buffer``'s L axis.
     """
 
     def __init__(self, moe_layer_ids: list[int], top_k: int, max_tokens: int, device):
         self.layer_rows = {layer: row for row, layer in enumerate(moe_layer_ids)}
         self.top_k = top_k
-        self.buffer = torch.zeros(
-            (max_tokens, len(moe_layer_ids), top_k), dtype=torch.int64, device=device
+        self.buffer = torch.full(
+            (max_tokens, len(moe_layer_ids), top_k), -1, dtype=torch.int64, device=device
         )
-        # [L] bool: which MoE layers were captured since begin_forward (written in-graph).
-        self.written = torch.zeros(len(moe_layer_ids), dtype=torch.bool, device=device)
-        self.captures = 0  # Python counter: how many layer captures the hook has seen
 
     @property
     def max_tokens(self) -> int:
         return self.buffer.shape[0]
 
     def capture(self, layer_id: int | None, topk_ids: torch.Tensor) -> None:
-        """Copies ``topk_ids [T, >=K]`` of MoE layer ``layer_id`` into the buffer."""
+        """Copies ``topk_ids [T, >=K]`` of MoE layer ``layer_id`` into the buffer (one
+        kernel, graph-safe; no Python state changes, so a compiled forward that inlines the
+        hook is not recompiled per call)."""
         row = self.layer_rows.get(layer_id)
         if row is None:
             return
         rows = min(topk_ids.shape[0], self.max_tokens)
         # Routes with fused shared-expert columns append them after the routed K.
         self.buffer[:rows, row].copy_(topk_ids[:rows, : self.top_k])
-        self.written[row].fill_(True)
-        self.captures += 1
 
     def begin_forward(self) -> None:
-        """Clears the per-layer flags before a forward whose routing must be captured."""
-        self.written.zero_()
+        """Marks every row uncaptured (-1) before a forward whose routing must be captured."""
+        self.buffer.fill_(-1)
 
-    def missed(self) -> torch.Tensor:
-        """0-d bool on the device: some MoE layer was not captured since
-        :meth:`begin_forward` (no host sync)."""
-        return ~self.written.all()
+    def captured_layers(self, num_tokens: int) -> torch.Tensor:
+        """bool ``[L]``: the MoE layers whose first ``num_tokens`` rows were all captured
+        since :meth:`begin_forward` (for tests and diagnostics; a host read follows)."""
+        return self.buffer[:num_tokens].ge(0).flatten(2).all(-1).all(0)
 
     def verify_routing(self, num_tokens: int) -> torch.Tensor:
         """``[num_tokens, L, K]`` view of the last forward's first tokens (no copy)."""
@@ -213,81 +220,116 @@ def materialize_routing(topk, output, hidden_states=None, router_logits=None, *_
 
 class VerifyStats:
     """Device-side running totals over verify steps; each reader (:class:`StatsWindow`) takes
-    the means since its own last read, with one host sync per read.
+    the means since its own last read.
 
     Per verify step: the unique experts each MoE layer loaded (the union over the step's
-    verify tokens, batch-wide), averaged over layers; and the predictor's top-K recall on the
-    step's tokens, measured before it learns from them. Totals are never reset, so several
-    readers with different intervals (the "EcoSpec:" line, SGLang's decode log line and
-    /metrics) see the same steps without taking them from one another.
+    verify tokens, batch-wide); the predictor's hits (predicted top-K ids among the true
+    ones, measured before it learns from them); whether some verify row of some MoE layer was
+    not captured. Totals are never reset, so several readers with different intervals (the
+    "EcoSpec:" line, SGLang's decode log line and /metrics) see the same steps without taking
+    them from one another.
 
     Attributes:
-        totals: float64 ``[3]`` on the device: summed unique experts per layer, summed recall,
-            verify steps whose routing was not captured for every MoE layer.
-        steps: verify steps so far (a Python int: deciding when to read needs no sync).
-        tokens: verify tokens so far (a Python int, known on the host).
+        totals: int64 ``[3]`` on the device: unique experts summed over layers and steps,
+            predictor hits, verify steps whose routing was not fully captured.
+        steps, tokens: verify steps and tokens so far (Python ints: deciding when to read
+            needs no sync).
+        layer_steps, slots: the host-side denominators, MoE layers x steps and
+            tokens x layers x K.
         missed_reported: uncaptured steps already logged as an error (host, as of a read).
     """
 
-    def __init__(self, num_experts: int, device):
+    def __init__(self, num_experts: int, device, *, num_layers: int | None = None):
         self.num_experts = num_experts
-        self.totals = torch.zeros(3, dtype=torch.float64, device=device)
+        self.totals = torch.zeros(3, dtype=torch.int64, device=device)
+        # totals += (unique, hits, clamp(min id, max=0)) * (1, 1, -1): one kernel.
+        self._signs = torch.tensor([1, 1, -1], dtype=torch.int64, device=device)
+        self._true = torch.ones((), dtype=torch.bool, device=device)
+        self._layer_index = None  # int64 [1, L, 1] (made on the first update if L is unknown)
+        if num_layers is not None:
+            self._layer_index = torch.arange(num_layers, device=device).view(1, num_layers, 1)
         self.steps = 0
         self.tokens = 0
+        self.layer_steps = 0
+        self.slots = 0
         self.missed_reported = 0
 
-    def record_capture(self, missed: torch.Tensor) -> None:
-        """Counts a verify step whose routing was not fully captured (``missed``: 0-d bool
-        on the device, :meth:`RoutingCapture.missed`; no host sync)."""
-        self.totals[2] += missed.to(torch.float64)
+    def update(self, routing: torch.Tensor, predicted: torch.Tensor) -> None:
+        """Adds one verify step (no host sync, no ``[T, L, E]`` temporary).
 
-    def report_missed(self, total_missed: float) -> None:
+        Args:
+            routing: int64 ``[T, L, K]``: the experts of the step's T verify tokens, -1 in
+                rows that were not captured (:meth:`RoutingCapture.begin_forward`).
+            predicted: int ``[T, L, K]``: what the predictor said before the step (distinct
+                ids per row, as ``topk`` gives them).
+        """
+        num_tokens, layers, top_k = routing.shape
+        if self._layer_index is None or self._layer_index.shape[1] != layers:
+            self._layer_index = torch.arange(layers, device=routing.device).view(1, layers, 1)
+        union = torch.zeros((layers, self.num_experts), dtype=torch.bool, device=routing.device)
+        # [L, E]; an uncaptured row's -1 marks expert E-1 (such a step is counted as missed).
+        union.index_put_((self._layer_index, routing), self._true)
+        # Routing ids are distinct per row, so equal pairs count the hits; -1 never hits.
+        hits = (predicted[..., :, None] == routing[..., None, :]).sum()
+        missed = routing.amin().clamp(max=0)  # -1: some row was not captured
+        self.totals.addcmul_(torch.stack((union.sum(), hits, missed)), self._signs)
+        self.steps += 1
+        self.tokens += num_tokens
+        self.layer_steps += layers
+        self.slots += num_tokens * layers * top_k
+
+    def report_missed(self, total_missed: int) -> None:
         """Logs, once, the uncaptured verify steps a read found since the last report."""
-        missed = round(total_missed)
-        if missed > self.missed_reported:
+        if total_missed > self.missed_reported:
             logger.error(
                 "ECOSPEC: the target's routing was not captured in %d verify step(s) (%d since "
                 "start): the predictor learns from, and the statistics measure, stale rows. "
                 "This model's MoE path or --moe-runner-backend bypasses SGLang's routing "
                 "capture; serve with another --moe-runner-backend, or EAGLE3",
-                missed - self.missed_reported,
-                missed,
+                total_missed - self.missed_reported,
+                total_missed,
             )
-            self.missed_reported = missed
-
-    def update(self, routing: torch.Tensor, predicted: torch.Tensor) -> None:
-        """``routing`` int64 ``[T, L, K]``: the experts of this step's T verify tokens;
-        ``predicted`` int64 ``[T, L, K]``: what the predictor said before the step."""
-        from sgl_ecospec.predictors import multi_hot
-
-        num_tokens, layers, top_k = routing.shape
-        union = torch.zeros((layers, self.num_experts), device=routing.device)  # [L, E]
-        union.scatter_(1, routing.transpose(0, 1).reshape(layers, -1), 1.0)
-        unique = union.sum() / layers
-        truth = multi_hot(routing, self.num_experts, validate=False)  # [T, L, E]
-        recall = truth.gather(-1, predicted).sum() / (num_tokens * layers * top_k)
-        self.totals[:2] += torch.stack((unique, recall)).to(torch.float64)
-        self.steps += 1
-        self.tokens += num_tokens
+            self.missed_reported = total_missed
 
     def window(self) -> "StatsWindow":
         """A new reader whose first window starts now."""
         return StatsWindow(self)
 
 
+class _Mark(NamedTuple):
+    """The host-side counters at one read, and the device totals (a host tensor, filled once
+    ``event`` has completed; None: already there)."""
+
+    steps: int
+    tokens: int
+    layer_steps: int
+    slots: int
+    totals: torch.Tensor
+    event: object = None
+
+
 class StatsWindow:
-    """One reader of :class:`VerifyStats`: means over the verify steps since its last read."""
+    """One reader of :class:`VerifyStats`: means over the verify steps since its last read.
+
+    Either synchronous (:meth:`read`, one host sync per read: SGLang's decode log line and
+    /metrics) or asynchronous (:meth:`request` then :meth:`ready`: the "EcoSpec:" line); a
+    window uses one of the two.
+    """
 
     def __init__(self, stats: VerifyStats):
         self.stats = stats
-        self._steps = stats.steps
-        self._tokens = stats.tokens
-        self._totals = stats.totals.tolist()
+        self._base = self._requested = self._mark(stats.totals.cpu())  # startup: one read
+        self._base_totals = self._base.totals.tolist()
+        self._pending: list[_Mark] = []
+
+    def _mark(self, totals: torch.Tensor, event=None) -> _Mark:
+        s = self.stats
+        return _Mark(s.steps, s.tokens, s.layer_steps, s.slots, totals, event)
 
     @property
     def pending_steps(self) -> int:
-        """Verify steps since the last read (no sync)."""
-        return self.stats.steps - self._steps
+        """Verify steps since the last read or request (no sync)."""
+        return self.stats.steps - self._requested.steps
 
     def read(self) -> dict | None:
         """Means over the window (one host sync) and start of the next window; None, without
@@ -295,24 +337,52 @@ class StatsWindow:
 
         Returns:
             ``verify_steps``, ``unique_experts_per_layer`` (per verify step, mean over MoE
-            layers), ``predictor_recall``, ``verify_tokens_per_step``,
-            ``capture_missed_steps`` (verify steps whose routing was not captured; new ones
-            are logged as an error, once across readers).
+            layers), ``predictor_recall`` (over the window's verify tokens),
+            ``verify_tokens_per_step``, ``capture_missed_steps`` (verify steps whose routing
+            was not captured; new ones are logged as an error, once across readers).
         """
-        steps = self.pending_steps
-        if steps <= 0:
+        if self.pending_steps <= 0:
             return None
-        totals = self.stats.totals.tolist()
-        unique, recall, missed = (
-            now - before for now, before in zip(totals, self._totals, strict=True)
-        )
-        summary = {
+        mark = self._mark(self.stats.totals.cpu())
+        self._requested = mark
+        return self._advance(mark)
+
+    def request(self) -> None:
+        """Starts an asynchronous read of the window (a device -> pinned host copy and an
+        event on the current stream; no host sync): :meth:`ready` returns it once there."""
+        totals = self.stats.totals
+        event = None
+        if totals.is_cuda:
+            host = torch.empty(totals.shape, dtype=totals.dtype, pin_memory=True)
+            host.copy_(totals, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = totals.clone()
+        self._requested = self._mark(host, event)
+        self._pending.append(self._requested)
+
+    def ready(self) -> list[dict]:
+        """The summaries (as :meth:`read`'s) of the requested reads whose copy has landed,
+        oldest first; never waits."""
+        done = []
+        while self._pending and (self._pending[0].event is None or self._pending[0].event.query()):
+            done.append(self._advance(self._pending.pop(0)))
+        return done
+
+    def _advance(self, mark: _Mark) -> dict:
+        """The summary from the base to ``mark`` (whose host totals are there), which becomes
+        the base."""
+        now = mark.totals.tolist()
+        base, before = self._base, self._base_totals
+        self._base, self._base_totals = mark, now
+        unique, hits, missed = (a - b for a, b in zip(now, before, strict=True))
+        steps = mark.steps - base.steps
+        self.stats.report_missed(now[2])
+        return {
             "verify_steps": steps,
-            "unique_experts_per_layer": unique / steps,
-            "predictor_recall": recall / steps,
-            "verify_tokens_per_step": (self.stats.tokens - self._tokens) / steps,
-            "capture_missed_steps": round(missed),
+            "unique_experts_per_layer": unique / max(1, mark.layer_steps - base.layer_steps),
+            "predictor_recall": hits / max(1, mark.slots - base.slots),
+            "verify_tokens_per_step": (mark.tokens - base.tokens) / max(1, steps),
+            "capture_missed_steps": missed,
         }
-        self.stats.report_missed(totals[2])
-        self._steps, self._tokens, self._totals = self.stats.steps, self.stats.tokens, totals
-        return summary

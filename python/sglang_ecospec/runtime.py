@@ -1,17 +1,23 @@
 """What ECOSPEC adds to one scheduler process: :class:`EcoSpecRuntime`.
 
-Built by the worker (``algorithm.EcoSpecWorker``) once the memory pool is sized: the expert
-predictor (online, or a trained head), the selector, the routing capture and its statistics,
-under expert parallelism the expert -> EP rank placement, with ``eps=auto`` the cost model's
-eps table, with more than one rank per batch the TP agreement (rank 0's verify set broadcast,
-the periodic predictor-state check: :mod:`sglang_ecospec.tp_agreement`); it activates the
-hooks that use them (:mod:`sglang_ecospec.hooks`) and is called before each decode step and
-after each verify.
+Built by the worker (``algorithm.EcoSpecWorker``) before SGLang sizes the KV pool, so that
+its tensors are charged to it (:mod:`sglang_ecospec.memory`): the expert predictor (online,
+or a trained head), the selector, the routing capture and its statistics, under expert
+parallelism the expert -> EP rank placement, with ``eps=auto`` the cost model's eps table,
+with more than one rank per batch the TP agreement (rank 0's verify set broadcast, the
+periodic predictor-state check: :mod:`sglang_ecospec.tp_agreement`); it activates the hooks
+that use them (:mod:`sglang_ecospec.hooks`) and is called before each decode step, around
+each verify, and after each decode batch's results (the "EcoSpec:" line).
+
+After a verify (:meth:`EcoSpecRuntime.after_verify`) everything stays on the device: the
+step's statistics, the online predictor's update, every ``log_interval`` steps an
+asynchronous snapshot of the statistics; about 20 small kernels, no host sync
+(test/plugin/test_graph_safety.py counts them).
 """
 
 import logging
 
-from sglang_ecospec import tp_agreement
+from sglang_ecospec import memory, tp_agreement
 from sglang_ecospec.algorithm import NAME
 from sglang_ecospec.settings import EcoSpecSettings
 
@@ -30,15 +36,18 @@ class EcoSpecRuntime:
         num_draft_tokens: int,
         max_batch: int,
         device,
+        num_steps: int | None = None,
         target_model=None,
         ep_layout=None,
         tp_check_interval: int = tp_agreement.CHECK_INTERVAL,
     ):
-        """Builds and activates everything; ``ep_layout`` is SGLang's EP state
-        (``ep_placement.EPLayout``; None: no EP); the ranks sharing the batch are read from
-        SGLang's parallel state (``tp_agreement.selection_group``), their predictor states
-        compared every ``tp_check_interval`` verify steps. ValueError when the settings do
-        not fit the served model or its parallelism."""
+        """Builds and activates everything; ``max_batch`` sizes the batch buffers,
+        ``num_steps`` (S, draft steps; None: the fewest whose tree has ``num_draft_tokens``
+        - 1 candidates) the per-step memory estimate (:attr:`memory`); ``ep_layout`` is
+        SGLang's EP state (``ep_placement.EPLayout``; None: no EP); the ranks sharing the
+        batch are read from SGLang's parallel state (``tp_agreement.selection_group``), their
+        predictor states compared every ``tp_check_interval`` verify steps. ValueError when
+        the settings do not fit the served model or its parallelism."""
         from sgl_ecospec.predictors import LowRankExpertHead, OnlineExpertPredictor
         from sglang_ecospec import ep_placement, eps_table, hooks, metrics, routing, selection
 
@@ -107,16 +116,31 @@ class EcoSpecRuntime:
         self.capture = routing.RoutingCapture(
             layer_ids, top_k, max_batch * num_draft_tokens, device
         )
-        self.stats = routing.VerifyStats(num_experts, device)
-        self.log_window = self.stats.window()  # the "EcoSpec:" line
+        self.stats = routing.VerifyStats(num_experts, device, num_layers=len(layer_ids))
+        self.log_window = self.stats.window()  # the "EcoSpec:" line (asynchronous reads)
         self.decode_log_window = self.stats.window()  # SGLang's decode log line, /metrics
         self.summaries: list[dict] = []  # what the "EcoSpec:" lines reported
         self._warned_overflow = False
+        if num_steps is None:
+            num_steps = 1
+            while memory.num_candidates(topk, num_steps) < num_draft_tokens - 1:
+                num_steps += 1
+        self.memory = memory.plugin_memory_bytes(
+            settings,
+            memory.ModelShape(len(layer_ids), num_experts, top_k),
+            max_batch=max_batch,
+            num_draft_tokens=num_draft_tokens,
+            topk=topk,
+            num_steps=num_steps,
+            ep_placement=placement is not None,
+            predictor=predictor,
+        )
         self.verify_moe = None  # the verify-MoE kernel's route (setting verify_moe_kernel)
         bindings = [
             selection.slot.bind(self.selector),
             routing.slot.bind(self.capture),
             metrics.slot.bind(self.decode_log_window),
+            metrics.log_line_slot.bind(self.poll_log),
         ]
         if placement is not None:
             bindings.append(ep_placement.slot.bind(placement))
@@ -144,14 +168,24 @@ class EcoSpecRuntime:
         )
 
     def before_decode(self, spec_info) -> None:
-        """Seeds the selector with the batch's bonus tokens (the draft trees' roots)."""
+        """At the start of a decode step, on the forward stream: applies a pending EPLB
+        refresh of the EP placement (``ep_placement``), then seeds the selector with the
+        batch's bonus tokens (the draft trees' roots)."""
+        if self.placement is not None:
+            self.placement.apply_refresh()
         roots = None
         if spec_info is not None and spec_info.is_draft_input():
             roots = getattr(spec_info, "bonus_tokens", None)
         self.selector.set_roots(roots)
 
+    def before_verify(self) -> None:
+        """Before SGLang's verify forward: every routing row marked uncaptured (one fill)."""
+        self.capture.begin_forward()
+
     def after_verify(self, verify_input) -> None:
-        """Learns from and measures the routing of the verify pass that just ran."""
+        """Measures and learns from the routing of the verify pass that just ran, on the
+        device (no host sync; every ``log_interval`` steps an asynchronous snapshot for the
+        "EcoSpec:" line, logged by :meth:`poll_log`)."""
         tokens = getattr(verify_input, "draft_token", None)
         if tokens is None or tokens.numel() == 0:
             return
@@ -163,18 +197,23 @@ class EcoSpecRuntime:
                 )
                 self._warned_overflow = True
             return
-        tokens = tokens.flatten().long()
-        routing_ids = self.capture.verify_routing(count)  # [T, L, K]
+        routing_ids = self.capture.verify_routing(count)  # [T, L, K], -1: not captured
         # What selection predicted for these rows, before any learning from them.
-        predicted = self.selector.verify_topk[:count].long()  # [T, L, K]
-        self.stats.update(routing_ids, predicted)
+        self.stats.update(routing_ids, self.selector.verify_topk[:count])
         if self.settings.learn and not self.predictor.needs_hidden:
-            self.predictor.observe(tokens, routing_ids, validate=False)
+            # Rows SGLang did not capture (counted above, logged on read) learn expert 0.
+            learnt = routing_ids.clamp_min(0)
+            self.predictor.observe(tokens.flatten(), learnt, validate=False)
         if self.tp_sync is not None:  # every tp_check_interval steps: compare the tables
             self.tp_sync.after_verify(self.predictor)
         interval = self.settings.log_interval
         if interval and self.log_window.pending_steps >= interval:
-            summary = self.log_window.read()
+            self.log_window.request()
+
+    def poll_log(self) -> None:
+        """Logs the "EcoSpec:" lines whose statistics have reached the host (never waits);
+        called after each decode batch's results (``metrics.report_decode_stats_hook``)."""
+        for summary in self.log_window.ready():
             self.summaries.append(summary)
             logger.info(
                 "EcoSpec: %d verify steps, unique experts/layer/step %.2f, predictor recall "

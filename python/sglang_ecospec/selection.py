@@ -38,10 +38,16 @@ predictor tables are learnt from its own captured routing and may drift apart, s
 than one rank the selector takes rank 0's result (one in-graph broadcast,
 :mod:`sglang_ecospec.tp_agreement`); with one rank nothing is added.
 
+Memory: the predictor scores every row ``[rows, L, E]`` in float before its top-K, so the
+selector predicts in blocks of at most ``score_rows`` rows (:class:`BlockPredictor`; from
+:func:`sglang_ecospec.memory.score_chunk_rows`, 64 MiB of scoring per block), the same
+predictions whatever the block size.
+
 Graph safety: static shapes, no host sync (``validate=False``, the batch size and eps are
 Python numbers), persistent state (the predictor's tables, the root-token buffers, the
 placement) updated in place; the only allocations are the op outputs, as in SGLang's own
-function.
+function. ``torch.compile(fullgraph=True)`` traces :meth:`EcoSpecSelector.organize` as one
+graph (test/plugin/test_graph_safety.py).
 
 Shape legend: B = requests, N = candidates per request, K = draft top-k, S = draft steps,
 L = MoE layers, W = int64 words per layer bitmap, D = num draft tokens (ndt).
@@ -57,6 +63,7 @@ from sgl_ecospec.step import batch_index, select_step, verify_rows
 from sglang_ecospec.ep_placement import ExpertPlacement
 from sglang_ecospec.eps_table import EpsTable
 from sglang_ecospec.hooks import HookSlot
+from sglang_ecospec.memory import ModelShape, score_chunk_rows
 from sglang_ecospec.settings import EcoSpecSettings
 from sglang_ecospec.tp_agreement import TpAgreement
 
@@ -84,6 +91,32 @@ def candidate_parents(parent_list: torch.Tensor, num_candidates: int, topk: int)
     return parent_list[:, slots].long()
 
 
+class BlockPredictor:
+    """A predictor's ``predict_topk`` over at most ``rows`` rows at a time (the predictions
+    are per row, so the result is the same; only the peak of the float scoring temporaries
+    changes). What ``sgl_ecospec.step.select_step`` reads of a predictor."""
+
+    def __init__(self, predictor: ExpertPredictor, rows: int):
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1, got {rows}")
+        self.predictor = predictor
+        self.rows = rows
+        self.num_layers = predictor.num_layers
+        self.num_experts = predictor.num_experts
+        self.top_k = predictor.top_k
+        self.needs_hidden = predictor.needs_hidden
+
+    def predict_topk(self, token_ids, hidden=None, *, validate=False) -> torch.Tensor:
+        """``predict_topk`` of the wrapped predictor, block by block; int64 ``[T, L, K]``."""
+        predict = self.predictor.predict_topk
+        if token_ids.shape[0] <= self.rows:
+            return predict(token_ids, hidden, validate=validate)
+        ids = token_ids.split(self.rows)
+        states = [None] * len(ids) if hidden is None else hidden.split(self.rows)
+        blocks = [predict(i, h, validate=validate) for i, h in zip(ids, states, strict=True)]
+        return torch.cat(blocks)
+
+
 class EcoSpecSelector:
     """Cost-aware verify-set selection with persistent, graph-safe state.
 
@@ -101,6 +134,8 @@ class EcoSpecSelector:
         tp_sync: with more than one rank sharing the batch, the group's
             :class:`~sglang_ecospec.tp_agreement.TpAgreement`: every rank returns rank 0's
             selection. None (one rank): no collective.
+        score_rows: rows predicted at once (:class:`BlockPredictor`); None:
+            :func:`sglang_ecospec.memory.score_chunk_rows` of the predictor's shape.
     """
 
     def __init__(
@@ -115,6 +150,7 @@ class EcoSpecSelector:
         placement: ExpertPlacement | None = None,
         eps_table: EpsTable | None = None,
         tp_sync: TpAgreement | None = None,
+        score_rows: int | None = None,
     ):
         if settings.eps_auto != (eps_table is not None):
             raise ValueError("eps_table is required with eps='auto' and only then")
@@ -128,6 +164,10 @@ class EcoSpecSelector:
             )
         self.settings = settings
         self.predictor = predictor
+        if score_rows is None:
+            shape = ModelShape(predictor.num_layers, predictor.num_experts, predictor.top_k)
+            score_rows = score_chunk_rows(shape)
+        self.block_predictor = BlockPredictor(predictor, score_rows)
         self.topk = topk
         self.num_draft_tokens = num_draft_tokens
         self.placement = placement
@@ -152,7 +192,6 @@ class EcoSpecSelector:
         # a graph replay are marked invalid so they neither seed nor take experts.
         self.root_tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)  # [Bmax]
         self.root_valid = torch.zeros(max_batch, dtype=torch.bool, device=device)  # [Bmax]
-        self.calls = 0
 
     @property
     def max_batch(self) -> int:
@@ -246,7 +285,7 @@ class EcoSpecSelector:
             root_states, candidate_states = self._candidate_states(batch, num_candidates)
             states = torch.cat([root_states[:, None], candidate_states], 1)  # [B, 1 + N, H]
         step = select_step(
-            self.predictor,
+            self.block_predictor,
             torch.cat([roots[:, None], tokens.long()], 1),  # [B, 1 + N], root first
             scores.float(),
             parents,
@@ -270,7 +309,6 @@ class EcoSpecSelector:
             self.verify_topk[: predicted.shape[0] * predicted.shape[1]].copy_(
                 predicted.flatten(0, 1)
             )
-        self.calls += 1
         return parent_list, index, draft_tokens
 
 

@@ -71,8 +71,9 @@ class EcoSpecSettings:
             pseudo-count and ageing period (see its docstring); ignored with predictor_file,
             which carries its own.
         log_interval: verify steps between two "EcoSpec:" log lines (unique experts per
-            layer per verify step, predictor recall); 0 = never. Reading the statistics is
-            the only host sync EcoSpec adds, once per interval.
+            layer per verify step, predictor recall); 0 = never. The statistics are copied to
+            the host asynchronously and logged once there (no host sync); SGLang's decode
+            log line reads them once per ``--decode-log-interval``.
         verify_moe_kernel: compute the routed experts of the target's MoE layers in verify
             forwards with EcoSpec's Triton kernel (:mod:`sglang_ecospec.verify_moe_hook`);
             needs a CUDA device, or the CPU development mode (Triton's interpreter).

@@ -1,5 +1,7 @@
 """The CUDA ops: built wherever a CUDA toolkit is present (CI compiles them), checked
-against the reference wherever a GPU is present (scripts/gpu_check.sh on the device)."""
+against the reference wherever a GPU is present (scripts/gpu_check.sh on the device). The
+selection kernel's logic is also checked without a GPU, on the CPU emulation of
+test_cuda_emulated.py."""
 
 import os
 import shutil
@@ -67,7 +69,9 @@ def test_bitmaps_on_gpu_match_reference(num_experts):
     "batch, nodes, layers, experts, budget, tie_levels, weighted",
     [
         (1, 64, 94, 128, 16, 0, False),
+        (16, 36, 94, 128, 7, 0, False),  # Qwen3-235B, SGLang's topk 4 / 3 steps, ndt 8
         (64, 64, 58, 256, 16, 0, True),
+        (0, 8, 94, 128, 4, 0, False),  # no request
         (5, 10, 3, 65, 20, 3, False),  # budget larger than the tree, ties
         (3, 0, 2, 64, 4, 0, False),  # empty tree
         (4, 33, 2, 100, 8, 2, True),  # all-tied scores, E not a multiple of 64
@@ -95,4 +99,33 @@ def test_selection_on_gpu_matches_reference(
     expected = select_verify_set_reference(*args, **kwargs)
     on_gpu = {k: v.to(CUDA) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     got = select_verify_set(*(a.to(CUDA) for a in args[:3]), budget, impl="native", **on_gpu)
+    assert torch.equal(got.cpu(), expected)
+
+
+def global_workspace_case(case: str):
+    """Inputs whose workspace exceeds a block's shared memory (227 KiB on an H200): the
+    loads [L, R] of 3000 ranks, or the parents and flags of 64 x 400 candidates."""
+    if case == "loads":
+        tree = random_draft_tree(4, 12, 20, 64, 4, seed=1)
+        gen = torch.Generator().manual_seed(5)
+        rank = dict(expert_rank=torch.randint(0, 3000, (20, 64), generator=gen), num_ranks=3000)
+    else:
+        tree, rank = random_draft_tree(64, 400, 2, 64, 4, seed=2), {}
+    kwargs = dict(root_experts=tree.root_experts, total_weight=0.3 if rank else None, **rank)
+    return (tree.scores, tree.parents, tree.node_experts, 5), kwargs
+
+
+@requires_gpu
+@pytest.mark.parametrize("case", ["loads", "candidates"])
+@pytest.mark.parametrize("share_buffer", [False, True])
+@pytest.mark.parametrize("policy", ["ecospec", "adaptive"])
+def test_selection_on_gpu_with_workspace_in_global_memory(case, share_buffer, policy):
+    # The kernel keeps what does not fit in shared memory in its global scratch.
+    args, kwargs = global_workspace_case(case)
+    kwargs.update(policy=policy, share_buffer=share_buffer, step_cost=200.0)
+    if kwargs["total_weight"] is None:
+        del kwargs["total_weight"]
+    expected = select_verify_set_reference(*args, **kwargs)
+    on_gpu = {k: v.to(CUDA) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    got = select_verify_set(*(a.to(CUDA) for a in args[:3]), args[3], impl="native", **on_gpu)
     assert torch.equal(got.cpu(), expected)

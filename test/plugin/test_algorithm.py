@@ -88,33 +88,124 @@ def test_costmodel_adaptive_config_loads_in_sglang(tmp_path, capsys):
     assert "--max-draft-steps must be an int >= 1" in capsys.readouterr().err
 
 
-def test_worker_counts_verify_steps_whose_routing_was_not_captured(monkeypatch):
-    """The worker clears the capture flags before SGLang's verify and counts, on the device,
-    a verify forward in which some MoE layer's routing was not captured."""
-    import torch
+def stub_eagle_worker(monkeypatch, events):
+    """SGLang's EAGLEWorkerV2 reduced to what EcoSpecWorker reads and calls (topk 2, 3 steps,
+    4 draft tokens, no draft model), its pool allocation logged in ``events``; at most 4
+    running requests (SGLang's bound: 5 request rows with the reserved slot 0)."""
     from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
+    from sglang_ecospec import deployment, ep_placement, memory
+
+    def init(self, server_args, gpu_id, nccl_port, target_worker):
+        self.topk, self.speculative_num_steps, self.speculative_num_draft_tokens = 2, 3, 4
+        self.device, self._target_worker = "cpu", target_worker
+        self._draft_worker = SimpleNamespace(parallel_layout=None)
+
+    def alloc(self, memory_pool_config=None, req_to_token_pool=None, **kwargs):
+        events.append("draft KV pool")
+
+    monkeypatch.setattr(EAGLEWorkerV2, "__init__", init)
+    monkeypatch.setattr(EAGLEWorkerV2, "alloc_memory_pool", alloc)
+    monkeypatch.setattr(EAGLEWorkerV2, "init_hicache_draft_plan", lambda self: None)
+    monkeypatch.setattr(EAGLEWorkerV2, "preloaded_weights_bytes", 0)
+    monkeypatch.setattr(deployment, "check_startup", lambda server_args: None)
+    monkeypatch.setattr(ep_placement, "sglang_layout", ep_placement.EPLayout)
+    monkeypatch.setattr(memory, "max_batch_bound", lambda: 5)
+
+
+def test_runtime_is_built_and_reserved_before_sglang_sizes_the_kv_pool(monkeypatch, caplog):
+    """Finding 7: SGLang's own Scheduler.init_model_worker (model loading, graphs stubbed)
+    creates the ECOSPEC worker, then sizes the target KV pool from the free memory: by then
+    the runtime's tensors exist and its per-step memory is reserved; the reservation is freed
+    once the pools are allocated, before any graph is captured. Then the worker counts, on
+    the device, a verify forward in which some MoE layer's routing was not captured."""
+    import logging
+    from types import MethodType
+
+    import torch
+    from sglang.srt.managers import scheduler as scheduler_module
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang_ecospec import algorithm, routing
+    from transformers import Qwen2MoeConfig
 
-    capture = routing.RoutingCapture([0, 1], top_k=1, max_tokens=4, device="cpu")
-    captured_layers = []
-
-    def sglang_verify(self, batch):
-        for layer in captured_layers:
-            capture.capture(layer, torch.zeros(4, 1, dtype=torch.long))
-        return "verified"
-
-    monkeypatch.setattr(EAGLEWorkerV2, "verify", sglang_verify)
-    worker = algorithm.worker_class().__new__(algorithm.worker_class())
-    learnt = []
-    worker.ecospec = SimpleNamespace(
-        capture=capture, stats=routing.VerifyStats(8, "cpu"), after_verify=learnt.append
+    events = []
+    stub_eagle_worker(monkeypatch, events)
+    monkeypatch.setattr(
+        scheduler_module, "get_model", lambda: SimpleNamespace(is_startup_weight_load_overlap=0)
     )
-    batch = SimpleNamespace(spec_info=SimpleNamespace(draft_token=torch.arange(4)))
-    for layers in ([0, 1], [1], [0, 1]):
-        captured_layers[:] = layers
-        assert worker.verify(batch) == "verified"
-    assert worker.ecospec.stats.totals[2].item() == 1 and len(learnt) == 3
-    # An idle verify (no tokens) is not a missed capture.
-    captured_layers[:] = []
-    worker.verify(SimpleNamespace(spec_info=SimpleNamespace(draft_token=torch.empty(0))))
-    assert worker.ecospec.stats.totals[2].item() == 1
+    monkeypatch.setattr(scheduler_module, "get_device", lambda: SimpleNamespace(gpu_id=0))
+    monkeypatch.setattr(
+        scheduler_module.kv_cache_builder, "resolve_decode_retraction_backup", lambda **k: None
+    )
+    algorithm.register_algorithm()
+
+    class GraphsNext(Exception):
+        """Raised where SGLang goes on to attention backends and CUDA graphs."""
+
+    def stop():
+        raise GraphsNext
+
+    def size_target_kv_pool(draft_parallel_layout=None):
+        worker = scheduler.draft_worker  # SGLang's _profile_available_bytes measures now
+        events.append(
+            ("target KV pool", worker.ecospec is not None, worker.ecospec_reservation.held)
+        )
+
+    config = Qwen2MoeConfig(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
+    runner = SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=config),
+        model=None,
+        memory_pool_config=None,
+        req_to_token_pool=None,
+        token_to_kv_pool_allocator=None,
+        account_preloaded_weights=lambda nbytes: None,
+    )
+    scheduler = SimpleNamespace(
+        spec_algorithm=SpeculativeAlgorithm.from_string("ECOSPEC"),
+        server_args=SimpleNamespace(disable_overlap_schedule=False),
+        nccl_port=0,
+        enable_unified_memory=False,
+        tp_worker=SimpleNamespace(
+            model_runner=runner,
+            preloaded_weights_bytes=0,
+            alloc_memory_pool=size_target_kv_pool,
+            get_memory_pool=lambda: (None, None),
+        ),
+        init_tp_model_worker=lambda: events.append("target loaded"),
+        init_all_attention_backends=stop,
+    )
+    for name in ("maybe_init_draft_worker", "init_memory_pools", "init_target_memory_pool"):
+        setattr(scheduler, name, MethodType(getattr(Scheduler, name), scheduler))
+    with caplog.at_level(logging.INFO, logger=algorithm.__name__), pytest.raises(GraphsNext):
+        Scheduler.init_model_worker(scheduler)
+    worker = scheduler.draft_worker
+    try:
+        assert events == ["target loaded", ("target KV pool", True, True), "draft KV pool"]
+        assert not worker.ecospec_reservation.held and worker.ecospec.selector.max_batch == 5
+        (line,) = [r.getMessage() for r in caplog.records if "ECOSPEC reserves" in r.getMessage()]
+        usage = worker.ecospec.memory
+        assert f"ECOSPEC reserves {usage.total / 2**20:.1f} MiB: predictor" in line
+        assert "buffers" in line and "per-step temporaries" in line
+        assert "before the KV pool is sized" in line
+
+        captured_layers = []
+
+        def sglang_verify(self, batch):
+            for layer in captured_layers:
+                capture_config = SimpleNamespace(allow_routed_experts_capture=True)
+                routing.after_capture(None, capture_config, layer, torch.zeros(4, 2).long())
+            return "verified"
+
+        monkeypatch.setattr(EAGLEWorkerV2, "verify", sglang_verify)
+        batch = SimpleNamespace(spec_info=SimpleNamespace(draft_token=torch.arange(4)))
+        for layers in ([0, 1], [1], [0, 1]):
+            captured_layers[:] = layers
+            assert worker.verify(batch) == "verified"
+        # An idle verify (no tokens) is not a verify step.
+        captured_layers[:] = []
+        worker.verify(SimpleNamespace(spec_info=SimpleNamespace(draft_token=torch.empty(0))))
+        summary = worker.ecospec.decode_log_window.read()
+        assert summary["verify_steps"] == 3 and summary["capture_missed_steps"] == 1
+    finally:
+        worker.ecospec.close()

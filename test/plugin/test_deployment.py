@@ -109,7 +109,11 @@ def test_worker_checks_before_sglang_builds_it(monkeypatch):
     from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
 
     built = []
-    monkeypatch.setattr(EAGLEWorkerV2, "__init__", lambda self, *args: built.append(args))
+    def sglang_init(self, *args):
+        built.append(args)
+        self._draft_worker = None  # no draft model: ECOSPEC builds no runtime
+
+    monkeypatch.setattr(EAGLEWorkerV2, "__init__", sglang_init)
 
     def refuse(server_args):
         raise deployment.DeploymentError(f"refused {server_args}")

@@ -144,11 +144,59 @@ def test_ep_cost_follows_the_busiest_rank_and_eplb_updates(monkeypatch):
     hooks.activate(bindings)
     try:
         buffer = placement.expert_rank.data_ptr()
-        moved = fake_expert_location([[4, 5, 6, 7, 0, 1, 2, 3], [0, 1, 5, 3, 4, 2, 6, 7]], 2)
-        metadata.update(moved, update_layer_ids=[1])
+        metadata.update(moved_location(), update_layer_ids=[1])
+        # Not within the step that is running: the draft step still prices the old ranks.
+        assert placement.refresh_pending
+        assert placement.expert_rank.tolist() == [[0, 0, 0, 0, 1, 1, 1, 1]]
+        assert choose(selector) == [[11]]
+        assert placement.apply_refresh()  # the next step's start (EcoSpecRuntime.before_decode)
+        assert not placement.apply_refresh() and not placement.refresh_pending
         assert placement.expert_rank.data_ptr() == buffer  # graphs keep reading it
         assert placement.expert_rank.tolist() == [[0, 0, 1, 0, 1, 0, 1, 1]]
         assert choose(selector) == [[10]]  # expert 2 is now free on the idle rank
     finally:
         hooks.deactivate(bindings)
     assert ep_placement.slot.active() is None
+
+
+def moved_location():
+    """Layer 1 of the metadata above after EPLB swapped experts 2 and 5."""
+    return fake_expert_location([[4, 5, 6, 7, 0, 1, 2, 3], [0, 1, 5, 3, 4, 2, 6, 7]], 2)
+
+
+def test_eplb_refresh_applies_at_the_next_decode_step():
+    """Finding 8: EPLB's update only marks the placement stale; the runtime copies the new
+    ranks at the start of the next decode step (on the forward stream), never mid-step."""
+    from types import SimpleNamespace
+
+    from sglang_ecospec.runtime import EcoSpecRuntime
+    from transformers import Qwen2MoeConfig
+
+    metadata = fake_expert_location([[4, 5, 6, 7, 0, 1, 2, 3], list(range(8))], 2)
+    config = Qwen2MoeConfig(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
+    runtime = EcoSpecRuntime(
+        EcoSpecSettings(log_interval=0, num_buckets=64),
+        config,
+        topk=2,
+        num_draft_tokens=2,
+        max_batch=2,
+        device="cpu",
+        ep_layout=ep_placement.EPLayout(ep_size=2, metadata=metadata),
+    )
+    spec_info = SimpleNamespace(is_draft_input=lambda: True, bonus_tokens=torch.tensor([1]))
+    try:
+        ranks = runtime.placement.expert_rank
+        before = ranks.tolist()
+        assert before[1] == [0, 0, 0, 0, 1, 1, 1, 1]
+        metadata.update(moved_location(), update_layer_ids=[1])  # EPLB, through the hook
+        assert ranks.tolist() == before  # mid-step: unchanged
+        runtime.before_decode(spec_info)  # the next step starts
+        assert ranks.tolist() == [before[0], [0, 0, 1, 0, 1, 0, 1, 1]]
+        assert runtime.placement.expert_rank is ranks
+    finally:
+        runtime.close()
+    # Without an active placement an update is SGLang's alone.
+    metadata.update(
+        fake_expert_location([[4, 5, 6, 7, 0, 1, 2, 3], list(range(8))], 2), update_layer_ids=[1]
+    )
+    assert not runtime.placement.refresh_pending

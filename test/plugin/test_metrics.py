@@ -112,13 +112,30 @@ def test_decode_log_hook_reads_nothing_between_log_lines(decode_line_stats, capl
 
 def test_uncaptured_verify_steps_reach_the_decode_line_and_metrics(decode_line_stats, caplog):
     window, registry, _ = decode_line_stats
-    window.stats.record_capture(torch.tensor(True))  # one of the two steps missed a layer
+    # A third step whose routing SGLang did not capture (rows left at -1).
+    window.stats.update(torch.tensor([[[-1, -1]]]), torch.tensor([[[0, 1]]]))
     with caplog.at_level(logging.INFO):
         metrics.report_decode_stats_hook(sglang_decode_line, fake_reporter(tick=True))
     (line,) = [r.getMessage() for r in caplog.records if r.name == metrics.DECODE_LOGGER]
     assert line.endswith(", ecospec routing not captured: 1 steps")
     assert sample(registry, "sglang:ecospec_routing_capture_missed_steps_total") == 1
     assert any(r.levelno == logging.ERROR and r.name == routing.__name__ for r in caplog.records)
+
+
+def test_report_hook_polls_the_ecospec_line_after_every_decode_batch():
+    """The "EcoSpec:" line is logged from SGLang's per-batch report, on log ticks and between
+    them, whether or not a decode window is active (``EcoSpecRuntime.poll_log``)."""
+    polls = []
+    bindings = [metrics.log_line_slot.bind(lambda: polls.append(1))]
+    hooks.activate(bindings)
+    try:
+        for tick in (False, True, False):
+            assert metrics.report_decode_stats_hook(lambda r: "ok", fake_reporter(tick=tick))
+        assert len(polls) == 3
+    finally:
+        hooks.deactivate(bindings)
+    metrics.report_decode_stats_hook(lambda r: "ok", fake_reporter(tick=True))
+    assert len(polls) == 3 and metrics.log_line_slot.active() is None
 
 
 def test_report_hook_is_applied_to_sglang_reporter():

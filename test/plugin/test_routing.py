@@ -47,8 +47,8 @@ def test_capture_hook_writes_moe_layers_and_honors_the_opt_out():
         routing.slot.activate(None)
     # Five tokens, four rows: the first four are kept; the extra (shared) column dropped.
     assert capture.verify_routing(4)[:, 1].tolist() == [[1, 2], [3, 4], [5, 6], [7, 8]]
-    assert capture.verify_routing(4)[:, 0].eq(0).all()
-    assert capture.captures == 1
+    assert capture.verify_routing(4)[:, 0].eq(-1).all()  # never captured
+    assert capture.captured_layers(4).tolist() == [False, True]
     with pytest.raises(ValueError, match="exceed"):
         capture.verify_routing(5)
 
@@ -144,7 +144,7 @@ def test_topk_hook_captures_routing_of_kernel_routed_outputs():
         layer3._forward_method = lambda hidden_states, router_logits: triton
         capture.begin_forward()
         assert layer3(hidden, logits[1]) is triton
-        assert capture.written.tolist() == [False, True] and bool(capture.missed())
+        assert capture.captured_layers(4).tolist() == [False, True]
         layer0 = topk_layer(0)
         bypassed = BypassedTopKOutput(hidden, logits[0], layer0.topk_config)
         # Called as TopK.forward -> (cached dispatch) TopK.forward_cuda: captured once.
@@ -153,9 +153,12 @@ def test_topk_hook_captures_routing_of_kernel_routed_outputs():
         def outer(topk, *args, **kwargs):
             return routing.around_topk(inner, topk, *args, **kwargs)
 
-        before = capture.captures
+        calls = []
+        real_capture = capture.capture
+        capture.capture = lambda *args: calls.append(args[0]) or real_capture(*args)
         assert routing.around_topk(outer, layer0, hidden, router_logits=logits[0]) is bypassed
-        assert capture.captures == before + 1 and not bool(capture.missed())
+        del capture.capture
+        assert calls == [0] and capture.captured_layers(4).all()
         got = capture.verify_routing(4).sort(-1).values  # [T, L, K]
         assert torch.equal(got[:, 0], truth[0][:4]) and torch.equal(got[:, 1], truth[1][:4])
         # Standard outputs were captured by SGLang's select_experts; draft layers opt out.
@@ -164,28 +167,28 @@ def test_topk_hook_captures_routing_of_kernel_routed_outputs():
         routing.around_topk(lambda *a: standard, topk_layer(0), hidden, logits[0])
         draft = topk_layer(3, capture=False)
         routing.around_topk(lambda *a: triton, draft, hidden, logits[1])
-        assert capture.written.tolist() == [False, False]
+        assert capture.captured_layers(4).tolist() == [False, False]
     finally:
         hooks.deactivate(bindings)
     # Without an ECOSPEC capture in the process the hook only returns SGLang's output.
     capture.begin_forward()
     routing.around_topk(lambda *a: triton, topk_layer(3), hidden, logits[1])
-    assert not capture.written.any()
+    assert not capture.captured_layers(4).any()
 
 
 def test_uncaptured_verify_steps_are_counted_and_logged_once(caplog):
     predictor = OnlineExpertPredictor(2, 8, 1, num_buckets=64)
-    capture = routing.RoutingCapture([0, 1], top_k=1, max_tokens=2, device="cpu")
+    capture = routing.RoutingCapture([0, 1], top_k=1, max_tokens=3, device="cpu")
     stats = routing.VerifyStats(8, "cpu")
     first, second = stats.window(), stats.window()
     config = SimpleNamespace(allow_routed_experts_capture=True)
 
-    def verify_step(layers):
-        """A verify forward in which SGLang's capture site ran for ``layers`` only."""
+    def verify_step(layers, rows=2):
+        """A verify forward in which SGLang's capture site ran for ``layers`` only (with
+        ``rows`` token rows each)."""
         capture.begin_forward()
         for layer in layers:
-            routing.after_capture(None, config, layer, torch.tensor([[layer], [2]]))
-        stats.record_capture(capture.missed())
+            routing.after_capture(None, config, layer, torch.tensor([[layer], [2], [3]])[:rows])
         stats.update(capture.verify_routing(2), predictor.predict_topk(torch.tensor([1, 2])))
 
     routing.slot.activate(capture)
@@ -200,5 +203,9 @@ def test_uncaptured_verify_steps_are_counted_and_logged_once(caplog):
         assert "--moe-runner-backend" in error.getMessage()
         verify_step([0, 1])
         assert first.read()["capture_missed_steps"] == 0
+        verify_step([0, 1], rows=1)  # a capture that left a verify row out is a miss too
+        with caplog.at_level(logging.ERROR, logger=routing.__name__):
+            assert first.read()["capture_missed_steps"] == 1
+        assert "in 1 verify step(s) (3 since start)" in caplog.records[-1].getMessage()
     finally:
         routing.slot.activate(None)

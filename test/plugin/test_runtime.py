@@ -86,9 +86,12 @@ def test_runtime_learns_from_the_verify_routing_and_logs_statistics():
         tokens = torch.tensor([4, 9, 10, 5, 11, 12])
         ids = torch.stack([tokens % 8, (tokens + 1) % 8], 1)
         topk_config = SimpleNamespace(allow_routed_experts_capture=True)
-        for layer in (0, 1):
+        runtime.before_verify()
+        for layer in (0, 1):  # SGLang's verify forward, as the capture hook sees it
             routing.after_capture(None, topk_config, layer, ids)
         runtime.after_verify(SimpleNamespace(draft_token=tokens))
+        assert runtime.summaries == []  # copied, logged after the batch's results:
+        runtime.poll_log()  # SGLang's per-batch report (metrics.report_decode_stats_hook)
         predicted = runtime.predictor.predict_topk(tokens)  # learnt: exact routing
         assert torch.equal(
             predicted.sort(-1).values, ids.sort(-1).values[:, None].expand(-1, 2, -1)
@@ -140,6 +143,7 @@ def test_runtime_serves_a_trained_head_frozen(tmp_path):
         for layer in (0, 1):
             routing.after_capture(None, capture_config, layer, predicted[:, layer])
         runtime.after_verify(SimpleNamespace(draft_token=tokens))
+        runtime.poll_log()
         (summary,) = runtime.summaries
         assert summary["predictor_recall"] == 1.0
         params = runtime.predictor.parameters()

@@ -103,13 +103,16 @@ def _random_routing(tokens: torch.Tensor, seed: int) -> torch.Tensor:
 
 def _verify(runtime, roots, draft_tokens, route) -> None:
     """One verify pass as SGLang runs it: each MoE layer's routing goes through the capture
-    hook, then the worker calls ``after_verify`` with the verify tokens (root first)."""
+    hook, then the worker calls ``after_verify`` with the verify tokens (root first), and the
+    batch's results reach the decode-stats report (which logs the "EcoSpec:" line)."""
     tokens = torch.cat([roots[:, None], draft_tokens], 1).flatten()
     ids = route(tokens)  # [T, L, K]
     capture_config = SimpleNamespace(allow_routed_experts_capture=True)
+    runtime.before_verify()
     for layer in range(ids.shape[1]):
         routing.after_capture(None, capture_config, layer, ids[:, layer])
     runtime.after_verify(SimpleNamespace(draft_token=tokens))
+    runtime.poll_log()
 
 
 def _select(runtime, roots, seed, *, local=False):

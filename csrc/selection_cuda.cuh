@@ -1,0 +1,455 @@
+// The CUDA kernel of select_verify_set (device code; the launcher is in ops_cuda.cu).
+//
+// One kernel for both modes. A block runs a group of requests on one expert buffer: one
+// block per request (per-request buffers), or one block for the whole batch (share_buffer,
+// whose turns are sequential by definition: request b's pick depends on every pick before
+// it). The work inside a turn is spread over the block:
+//
+// - the turn's frontier (available candidates of its request) is a list in the workspace,
+//   built during the previous turn (off its critical path when the request changes);
+// - one warp per frontier candidate computes its DeltaCost against the buffer, the lanes
+//   over the layers (or words), and keeps its best candidate (is_better, the shared tie rule);
+// - after one __syncthreads every warp reduces the per-warp bests to the same winner (the
+//   same slots in the same order, so all threads agree) and applies the adaptive test;
+// - the winner's experts enter the buffer (one thread per layer, no atomics) while warp 0
+//   marks it selected; a second __syncthreads ends the turn.
+//
+// Idle warps (fewer frontier candidates than warps) prefetch the next request's frontier
+// bitmaps into L1, so the next turn's reads hit L1 instead of L2/HBM.
+//
+// The workspace (buffer bitmaps, rank loads and peaks, the rank table as int32, parents,
+// selected flags, frontier list) lives in shared memory where it fits and in a global
+// scratch tensor otherwise (plan_select, used by the launcher). Candidate bitmaps are read
+// from global memory.
+//
+// Exactness (equal to the reference bit for bit): the rules come from selection_core.h
+// (is_available, node_priority, is_better, raises_throughput, ep_layer_cost); plain counts
+// are integers; float sums over layers run in layer order, one term after another, skipping
+// only terms equal to zero (x + 0.0 == x, and the running total is never -0.0), with every
+// multiply and add rounded on its own (mul_rn / add_rn: no FMA contraction).
+#pragma once
+
+#include <cstdint>
+
+#include "selection_core.h"
+
+namespace sgl_ecospec {
+
+// The block's dynamic shared memory; test/ops/cuda_emulator.h defines its own.
+#ifndef SGL_ECOSPEC_DYNAMIC_SHARED
+#define SGL_ECOSPEC_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
+constexpr int kSelectThreads = 512;
+constexpr int kSelectWarps = kSelectThreads / 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// Where one workspace array lives: byte offset into dynamic shared memory, or into this
+// block's slice of the global scratch tensor.
+struct Region {
+  int64_t offset = 0, bytes = 0;
+  bool in_shared = true;
+};
+
+// The workspace of one block (G = requests of the block, R = EP ranks, L_r = L or 1).
+struct WorkspaceLayout {
+  Region bitmaps;   // uint64 [L, W]: the expert buffer
+  Region peaks;     // int32 [L]: max over ranks of loads (EP)
+  Region loads;     // int32 [L, R]: the buffer's experts per rank (EP)
+  Region ranks;     // int32 [L_r, E]: rank of each expert, -1 outside [0, R) (EP)
+  Region parents;   // int64 [G, N]
+  Region selected;  // uint8 [G, N]
+  Region frontier;  // int64 [2, N]: available candidates of this turn's and the next request
+  int64_t shared_bytes = 0, global_bytes = 0;  // global_bytes: per block
+};
+
+// Places the selection kernel's workspace arrays in shared memory while they fit (at most
+// `shared_limit` bytes), in the order the turns use them most, and the rest in a global
+// scratch slice per block. `group`: requests per block; `buffer`: the policy reads the
+// expert buffer; `ep`: with a placement of `rank_rows` x E ranks over R ranks.
+inline WorkspaceLayout plan_workspace(int64_t group, int64_t n, int64_t layers, int64_t words,
+                                      bool buffer, bool ep, int64_t rank_rows, int64_t experts,
+                                      int64_t ranks, int64_t shared_limit) {
+  WorkspaceLayout w;
+  auto place = [&w, shared_limit](Region& r, int64_t bytes) {
+    const int64_t size = (bytes + 15) / 16 * 16;
+    r.bytes = bytes;
+    r.in_shared = w.shared_bytes + size <= shared_limit;
+    int64_t& used = r.in_shared ? w.shared_bytes : w.global_bytes;
+    r.offset = used;
+    used += size;
+  };
+  const bool with_ep = buffer && ep;
+  place(w.frontier, 2 * n * 8);
+  place(w.bitmaps, buffer ? layers * words * 8 : 0);
+  place(w.selected, group * n);
+  place(w.parents, group * n * 8);
+  place(w.peaks, with_ep ? layers * 4 : 0);
+  place(w.loads, with_ep ? layers * ranks * 4 : 0);
+  place(w.ranks, with_ep ? rank_rows * experts * 4 : 0);
+  return w;
+}
+
+// How one call runs: `blocks` blocks of `group` requests each, and their workspace. The
+// launcher (ops_cuda.cu) and the CPU emulation of the tests both plan a call with it.
+struct SelectLaunch {
+  int64_t blocks, group;
+  WorkspaceLayout layout;
+};
+
+// "confidence" reads no buffer, so its picks are the same with or without share_buffer: it
+// always runs one block per request. The other policies with share_buffer run one block.
+inline SelectLaunch plan_select(int64_t batch, int64_t n, int64_t layers, int64_t words,
+                                Policy policy, bool share_buffer, bool ep, int64_t rank_rows,
+                                int64_t experts, int64_t ranks, int64_t shared_limit) {
+  const bool buffer = policy != Policy::kConfidence;
+  const bool one_block = share_buffer && buffer;
+  const int64_t group = one_block ? batch : 1;
+  return SelectLaunch{one_block ? 1 : batch, group,
+                      plan_workspace(group, n, layers, words, buffer, ep, rank_rows, experts,
+                                     ranks, shared_limit)};
+}
+
+struct SelectArgs {
+  const double* prob;       // [B, N]
+  const int64_t* parents;   // [B, N]
+  const uint64_t* experts;  // [B, N, L, W]
+  const uint64_t* roots;    // [B, L, W] or nullptr
+  const double* weights;    // [L] or nullptr
+  const int64_t* rank;      // [L_r, E] (EP) or nullptr
+  unsigned char* scratch;   // [blocks, global_bytes] or nullptr
+  int64_t* out;             // [B, budget]
+  int64_t batch, num_nodes, layers, words, budget;
+  int64_t requests_per_block;  // B (share_buffer) or 1
+  Policy policy;
+  double eps, step_tokens, step_cost;
+  bool ep;
+  int64_t rank_layer_stride, num_experts, num_ranks;  // stride E ([L, E]) or 0 ([E])
+  double total_weight;
+  WorkspaceLayout layout;
+};
+
+struct Best {
+  double priority;
+  int64_t index;  // -1: no node
+  double delta;   // the node's DeltaCost (the adaptive policy adds it to the step's cost)
+};
+
+__device__ __forceinline__ Best better_of(Best a, Best b) {
+  return is_better(b.priority, b.index, a.priority, a.index) ? b : a;
+}
+
+// The block's view of its workspace.
+struct Workspace {
+  uint64_t* bitmaps;
+  int32_t *peaks, *loads, *ranks;
+  int64_t* parents;
+  uint8_t* selected;
+  int64_t* frontier;
+};
+
+template <typename T>
+__device__ T* region_ptr(const SelectArgs& a, unsigned char* shared, const Region& r) {
+  unsigned char* base = r.in_shared
+                            ? shared
+                            : a.scratch + static_cast<int64_t>(blockIdx.x) * a.layout.global_bytes;
+  return reinterpret_cast<T*>(base + r.offset);
+}
+
+__device__ Workspace workspace(const SelectArgs& a, unsigned char* shared) {
+  const WorkspaceLayout& w = a.layout;
+  return Workspace{region_ptr<uint64_t>(a, shared, w.bitmaps),
+                   region_ptr<int32_t>(a, shared, w.peaks),
+                   region_ptr<int32_t>(a, shared, w.loads),
+                   region_ptr<int32_t>(a, shared, w.ranks),
+                   region_ptr<int64_t>(a, shared, w.parents),
+                   region_ptr<uint8_t>(a, shared, w.selected),
+                   region_ptr<int64_t>(a, shared, w.frontier)};
+}
+
+// The ranks of one layer's experts from the workspace's table (-1: no rank), for the
+// shared rules of selection_core.h.
+struct TableLayer {
+  const int32_t* row;  // [E]
+  int64_t num_experts;
+  __device__ int64_t operator()(int64_t e) const { return e < num_experts ? row[e] : -1; }
+};
+
+__device__ __forceinline__ TableLayer table_layer(const SelectArgs& a, const Workspace& ws,
+                                                  int64_t layer) {
+  return TableLayer{ws.ranks + layer * a.rank_layer_stride, a.num_experts};
+}
+
+__device__ __forceinline__ bool needs_buffer(const SelectArgs& a) {
+  return a.policy != Policy::kConfidence;
+}
+
+// One warp lists the available candidates of request k of the block (ascending) in
+// `frontier`, and their count in `count`.
+__device__ void list_frontier(const SelectArgs& a, const Workspace& ws, int64_t k,
+                              int64_t* frontier, int64_t* count) {
+  const int lane = threadIdx.x % 32;
+  const int64_t n = a.num_nodes;
+  const uint8_t* selected = ws.selected + k * n;
+  const int64_t* parents = ws.parents + k * n;
+  int64_t seen = 0;
+  for (int64_t base = 0; base < n; base += 32) {
+    const int64_t i = base + lane;
+    const bool available = i < n && is_available(selected, parents, i, n);
+    const unsigned mask = __ballot_sync(kFullMask, available);
+    if (available) frontier[seen + __popc(mask & ((1u << lane) - 1))] = i;
+    seen += __popc(mask);
+  }
+  if (lane == 0) *count = seen;
+}
+
+// Sets up the block's buffer (the union of its requests' roots, and with EP the loads and
+// peaks), parents, selected flags and the first frontier (list 0). Ends synchronised.
+__device__ void setup(const SelectArgs& a, const Workspace& ws, int64_t first, int64_t* counts) {
+  const int64_t group = a.requests_per_block, n = a.num_nodes;
+  const int64_t layers = a.layers, words = a.words, lw = layers * words;
+  for (int64_t j = threadIdx.x; j < group * n; j += blockDim.x) {
+    ws.parents[j] = a.parents[first * n + j];
+    ws.selected[j] = 0;
+  }
+  if (needs_buffer(a)) {
+    for (int64_t j = threadIdx.x; j < lw; j += blockDim.x) {
+      uint64_t word = 0;
+      for (int64_t k = 0; a.roots != nullptr && k < group; ++k) {
+        word |= a.roots[(first + k) * lw + j];
+      }
+      ws.bitmaps[j] = word;
+    }
+  }
+  if (needs_buffer(a) && a.ep) {
+    const int64_t table = (a.rank_layer_stride == 0 ? 1 : layers) * a.num_experts;
+    for (int64_t j = threadIdx.x; j < table; j += blockDim.x) {
+      const int64_t r = a.rank[j];  // rank_of's rule: ranks outside [0, R) count nowhere
+      ws.ranks[j] = r >= 0 && r < a.num_ranks ? static_cast<int32_t>(r) : -1;
+    }
+    for (int64_t j = threadIdx.x; j < layers * a.num_ranks; j += blockDim.x) ws.loads[j] = 0;
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) list_frontier(a, ws, 0, ws.frontier, counts);
+  if (needs_buffer(a) && a.ep) {
+    // The loads of the seeded buffer: each of its experts counted once on its rank.
+    for (int64_t j = threadIdx.x; j < lw; j += blockDim.x) {
+      const int64_t layer = j / words;
+      const TableLayer ranks = table_layer(a, ws, layer);
+      for (uint64_t bits = ws.bitmaps[j]; bits != 0; bits &= bits - 1) {
+        const int64_t r = ranks((j % words) * kBitsPerWord + lowest_bit(bits));
+        if (r >= 0) atomicAdd(ws.loads + layer * a.num_ranks + r, 1);
+      }
+    }
+    __syncthreads();
+    for (int64_t l = threadIdx.x; l < layers; l += blockDim.x) {
+      int32_t peak = 0;
+      for (int64_t r = 0; r < a.num_ranks; ++r) peak = max(peak, ws.loads[l * a.num_ranks + r]);
+      ws.peaks[l] = peak;
+    }
+  }
+  __syncthreads();
+}
+
+// Sum of one value per lane, exact for values below 2^32 (each lane counts the bits of at
+// most L * W / 32 words), in every lane.
+__device__ __forceinline__ uint64_t warp_count(uint64_t mine) {
+  const unsigned low = __reduce_add_sync(kFullMask, static_cast<unsigned>(mine & 0xffff));
+  const unsigned high = __reduce_add_sync(kFullMask, static_cast<unsigned>(mine >> 16));
+  return static_cast<uint64_t>(low) + (static_cast<uint64_t>(high) << 16);
+}
+
+// DeltaCost term of one layer of `node`: missing experts, or the EP cost, times the layer's
+// weight when there are weights (as delta_cost and missing_experts in selection_core.h).
+__device__ double layer_term(const SelectArgs& a, const Workspace& ws, const uint64_t* node,
+                             int64_t l) {
+  const int64_t words = a.words;
+  double cost;
+  if (a.ep) {
+    cost = ep_layer_cost(table_layer(a, ws, l), a.total_weight, node + l * words,
+                         ws.bitmaps + l * words, words, ws.loads + l * a.num_ranks, ws.peaks[l]);
+  } else {
+    int64_t count = 0;
+    for (int64_t w = 0; w < words; ++w) {
+      count += popcount64(node[l * words + w] & ~ws.bitmaps[l * words + w]);
+    }
+    cost = static_cast<double>(count);
+  }
+  return a.weights == nullptr ? cost : mul_rn(a.weights[l], cost);
+}
+
+// DeltaCost of `node` ([L, W]) against the buffer, computed by one warp; every lane returns
+// it. Equal to selection_core.h's delta_cost.
+__device__ double warp_delta(const SelectArgs& a, const Workspace& ws, const uint64_t* node) {
+  const int lane = threadIdx.x % 32;
+  if (!a.ep && a.weights == nullptr) {
+    // An integer count: any order gives the same sum.
+    uint64_t count = 0;
+    for (int64_t j = lane; j < a.layers * a.words; j += 32) {
+      count += popcount64(node[j] & ~ws.bitmaps[j]);
+    }
+    return static_cast<double>(warp_count(count));
+  }
+  // Float terms, summed in layer order: lane l % 32 computes layer l, and lane after lane
+  // the non-zero terms join the running total (the same in every lane).
+  double total = 0.0;
+  for (int64_t base = 0; base < a.layers; base += 32) {
+    const int64_t l = base + lane;
+    const double term = l < a.layers ? layer_term(a, ws, node, l) : 0.0;
+    for (unsigned nonzero = __ballot_sync(kFullMask, term != 0.0); nonzero != 0;
+         nonzero &= nonzero - 1) {
+      total = add_rn(total, __shfl_sync(kFullMask, term, __ffs(nonzero) - 1));
+    }
+  }
+  return total;
+}
+
+__device__ __forceinline__ void prefetch_l1(uintptr_t address) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(address));
+#else
+  (void)address;  // the CPU emulation of the tests (test/ops/cuda_emulator.h)
+#endif
+}
+
+// Hints the L1 cache to fetch the bitmaps of request k's available candidates (idle warps:
+// warp `helper` of `helpers`); no effect on results.
+__device__ void prefetch_frontier(const SelectArgs& a, const Workspace& ws, int64_t first,
+                                  int64_t k, int64_t helper, int64_t helpers) {
+  const int lane = threadIdx.x % 32;
+  const int64_t n = a.num_nodes, bytes = a.layers * a.words * 8;
+  for (int64_t i = helper; i < n; i += helpers) {
+    if (!is_available(ws.selected + k * n, ws.parents + k * n, i, n)) continue;
+    const uintptr_t start = reinterpret_cast<uintptr_t>(a.experts + ((first + k) * n + i) *
+                                                                        a.layers * a.words);
+    const uintptr_t end = start + bytes;
+    for (uintptr_t line = (start & ~uintptr_t{127}) + lane * 128; line < end; line += 32 * 128) {
+      prefetch_l1(line);
+    }
+  }
+}
+
+// One turn of request k of the block (global index first + k); `next` is the block's
+// request of the following turn. The turn reads frontier list `parity` (ws.frontier + parity
+// N, its count counts[parity]) and writes the next request's into the other one: in phase 1
+// by the last warp when the next request is another (its flags cannot change in this turn),
+// in phase 2 by warp 0 when it is the same. Every thread returns the same answer: whether a
+// node was taken. `tokens`, `cost`: the adaptive account (the same in every thread).
+__device__ bool take_turn(const SelectArgs& a, const Workspace& ws, int64_t first, int64_t k,
+                          int64_t next, int parity, int64_t* counts, Best* slots, double* tokens,
+                          double* cost) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t n = a.num_nodes, lw = a.layers * a.words, b = first + k;
+  const int64_t* list = ws.frontier + parity * n;
+  int64_t* next_list = ws.frontier + (1 - parity) * n;
+  const int64_t frontier = counts[parity];
+  // Phase 1: one warp per frontier candidate.
+  Best mine{0.0, -1, 0.0};
+  for (int64_t j = warp; j < frontier; j += kSelectWarps) {
+    const int64_t i = list[j];
+    const double delta =
+        needs_buffer(a) ? warp_delta(a, ws, a.experts + (b * n + i) * lw) : 0.0;
+    const double priority = node_priority(a.policy, a.prob[b * n + i], delta, a.eps);
+    mine = better_of(mine, Best{priority, i, delta});
+  }
+  if (lane == 0) slots[warp] = mine;
+  if (next != k && warp == kSelectWarps - 1) {
+    list_frontier(a, ws, next, next_list, counts + 1 - parity);
+  }
+  if (warp >= frontier && next != k && needs_buffer(a)) {
+    prefetch_frontier(a, ws, first, next, warp - frontier, kSelectWarps - frontier);
+  }
+  __syncthreads();
+  // Phase 2: every warp reduces the slots alike, so every thread knows the winner.
+  Best best = lane < kSelectWarps ? slots[lane] : Best{0.0, -1, 0.0};
+  for (int offset = kSelectWarps / 2; offset > 0; offset /= 2) {
+    best = better_of(best, Best{__shfl_down_sync(kFullMask, best.priority, offset),
+                                __shfl_down_sync(kFullMask, best.index, offset),
+                                __shfl_down_sync(kFullMask, best.delta, offset)});
+  }
+  best = Best{__shfl_sync(kFullMask, best.priority, 0), __shfl_sync(kFullMask, best.index, 0),
+              __shfl_sync(kFullMask, best.delta, 0)};
+  bool take = best.index >= 0;
+  if (take && a.policy == Policy::kAdaptive) {
+    take = raises_throughput(best.priority, *tokens, *cost);
+    if (take) {
+      *tokens = add_rn(*tokens, a.prob[b * n + best.index]);
+      *cost = add_rn(*cost, add_rn(best.delta, a.eps));
+    }
+  }
+  if (warp == 0) {
+    if (take && lane == 0) ws.selected[k * n + best.index] = 1;
+    __syncwarp();
+    if (next == k) list_frontier(a, ws, next, next_list, counts + 1 - parity);
+  } else if (take && needs_buffer(a)) {
+    // The winner's experts enter the buffer: one thread per layer, so each layer's loads
+    // and peak have one writer. Loads only grow, so the peak is a running max.
+    const uint64_t* node = a.experts + (b * n + best.index) * lw;
+    const int64_t updaters = blockDim.x - 32;
+    for (int64_t l = static_cast<int64_t>(threadIdx.x) - 32; l < a.layers; l += updaters) {
+      int32_t peak = a.ep ? ws.peaks[l] : 0;
+      for (int64_t w = 0; w < a.words; ++w) {
+        const int64_t j = l * a.words + w;
+        const uint64_t old = ws.bitmaps[j];
+        if (a.ep) {
+          const TableLayer ranks = table_layer(a, ws, l);
+          for (uint64_t fresh = node[j] & ~old; fresh != 0; fresh &= fresh - 1) {
+            const int64_t r = ranks(w * kBitsPerWord + lowest_bit(fresh));
+            if (r >= 0) peak = max(peak, ++ws.loads[l * a.num_ranks + r]);
+          }
+        }
+        ws.bitmaps[j] = old | node[j];
+      }
+      if (a.ep) ws.peaks[l] = peak;
+    }
+  }
+  __syncthreads();
+  return take;
+}
+
+// Writes each request's selected candidates ascending, then -1 padding (a warp per request).
+__device__ void write_rows(const SelectArgs& a, const Workspace& ws, int64_t first) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t n = a.num_nodes;
+  for (int64_t k = warp; k < a.requests_per_block; k += kSelectWarps) {
+    int64_t* row = a.out + (first + k) * a.budget;
+    int64_t written = 0;
+    for (int64_t base = 0; base < n && written < a.budget; base += 32) {
+      const int64_t i = base + lane;
+      const bool chosen = i < n && ws.selected[k * n + i];
+      const unsigned mask = __ballot_sync(kFullMask, chosen);
+      const int64_t at = written + __popc(mask & ((1u << lane) - 1));
+      if (chosen && at < a.budget) row[at] = i;
+      written += __popc(mask);
+    }
+    for (int64_t at = (written < a.budget ? written : a.budget) + lane; at < a.budget; at += 32) {
+      row[at] = -1;
+    }
+  }
+}
+
+// Grid: one block per group of requests_per_block requests (B blocks of 1, or 1 block of B).
+__global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(SelectArgs a) {
+  SGL_ECOSPEC_DYNAMIC_SHARED(shared);
+  __shared__ Best slots[kSelectWarps];
+  __shared__ int64_t frontier_counts[2];
+  const Workspace ws = workspace(a, shared);
+  const int64_t group = a.requests_per_block, first = blockIdx.x * group;
+  setup(a, ws, first, frontier_counts);
+  // The adaptive account: B x step_tokens and B x step_cost with one buffer for the batch.
+  double tokens = mul_rn(a.step_tokens, static_cast<double>(group));
+  double cost = mul_rn(a.step_cost, static_cast<double>(group));
+  int parity = 0;
+  for (int64_t step = 0; step < a.budget; ++step) {
+    bool any = false;
+    for (int64_t k = 0; k < group; ++k, parity ^= 1) {
+      any |= take_turn(a, ws, first, k, (k + 1) % group, parity, frontier_counts, slots, &tokens,
+                       &cost);
+    }
+    // A round in which no request took a node changed nothing: the next ones would repeat it.
+    if (!any) break;
+  }
+  write_rows(a, ws, first);
+}
+
+}  // namespace sgl_ecospec

@@ -1,0 +1,226 @@
+"""CUDA-graph check of the device check (scripts/gpu_check.sh via scripts/gpu_bench.py):
+captures the selection op, the online predictor's prediction and the whole selection step
+once each, then changes their persistent inputs in place (new scores, parents, bitmaps,
+placement, tokens, predictor tables), replays, and compares every replay with an eager call
+on the new state and the selection with the reference. Any mismatch fails the check.
+
+    python3 scripts/gpu_graph_check.py --out $OUT          # on the GPU machine
+    python3 scripts/gpu_graph_check.py --device cpu --out /tmp/x
+                                     # logic check: "replay" calls the function again
+
+Writes graph_check.json into --out; exits 1 on a mismatch.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_bench_selection import rank_major_placement, selection_kwargs, sglang_tree  # noqa: E402
+
+from sgl_ecospec import select_verify_set  # noqa: E402
+from sgl_ecospec.ops.selection import SelectionOptions  # noqa: E402
+from sgl_ecospec.ops.selection_reference import select_verify_set_reference  # noqa: E402
+from sgl_ecospec.predictors.online import OnlineExpertPredictor  # noqa: E402
+from sgl_ecospec.step import Placement, select_step  # noqa: E402
+
+
+class Captured:
+    """``fn()`` (returning a tensor or a tuple of tensors) captured once in a CUDA graph;
+    ``replay()`` reruns the graph and returns copies of its outputs. On the CPU ``replay``
+    calls ``fn`` again: that checks this script's logic, not graph capture."""
+
+    def __init__(self, fn, device: torch.device):
+        self.fn, self.graph = fn, None
+        if device.type == "cuda":
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(3):
+                    fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.outputs = fn()
+
+    def replay(self):
+        if self.graph is None:
+            return _clone(self.fn())
+        self.graph.replay()
+        return _clone(self.outputs)
+
+
+def _clone(outputs):
+    if isinstance(outputs, torch.Tensor):
+        return outputs.clone()
+    return tuple(o.clone() for o in outputs)
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a.cpu(), b.cpu())
+    return all(_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _fill(buffers: dict, values: dict) -> None:
+    """Writes ``values`` into the persistent ``buffers`` in place (same shapes)."""
+    for name, value in values.items():
+        buffers[name].copy_(value)
+
+
+def _tree_values(batch, topk, steps, layers, experts, seed) -> dict:
+    tree = sglang_tree(batch, topk, steps, layers, experts, 8, seed=seed)
+    return dict(
+        scores=tree.scores,
+        parents=tree.parents,
+        node_experts=tree.node_experts,
+        root_experts=tree.root_experts,
+    )
+
+
+def _placement(layers, experts, ranks, seed) -> torch.Tensor:
+    """A rank-major placement with experts shuffled within each layer (as EPLB moves them)."""
+    gen = torch.Generator().manual_seed(seed)
+    base = rank_major_placement(layers, experts, ranks)
+    order = torch.stack([torch.randperm(experts, generator=gen) for _ in range(layers)])
+    return base.gather(1, order)
+
+
+def check_selection(device, shape, trials: int) -> list[dict]:
+    """The selection op of every configuration, captured once, replayed on new trees."""
+    batch, topk, steps, layers, experts, budget, ranks = shape
+    results = []
+    for policy, shared, ep in [
+        ("ecospec", False, False),
+        ("ecospec", True, False),
+        ("ecospec", True, True),
+        ("adaptive", True, True),
+        ("confidence", True, False),
+    ]:
+        kwargs = selection_kwargs(policy, shared, ep, layers, experts, ranks)
+        values = _tree_values(batch, topk, steps, layers, experts, seed=0)
+        if ep:
+            values["expert_rank"] = kwargs.pop("expert_rank")
+        buffers = {k: v.to(device) for k, v in values.items()}
+
+        def select(buffers=buffers, kwargs=kwargs):
+            return select_verify_set(
+                buffers["scores"],
+                buffers["parents"],
+                buffers["node_experts"],
+                budget,
+                root_experts=buffers["root_experts"],
+                expert_rank=buffers.get("expert_rank"),
+                validate=False,
+                **kwargs,
+            )
+
+        captured = Captured(select, device)
+        first, ok, changed = captured.replay(), True, False
+        for trial in range(1, trials + 1):
+            new = _tree_values(batch, topk, steps, layers, experts, seed=trial)
+            if ep:
+                new["expert_rank"] = _placement(layers, experts, ranks, seed=trial)
+            _fill(buffers, new)
+            replayed, eager = captured.replay(), select()
+            cpu = {k: v for k, v in new.items() if k not in ("scores", "parents", "node_experts")}
+            expected = select_verify_set_reference(
+                new["scores"], new["parents"], new["node_experts"], budget, **cpu, **kwargs
+            )
+            ok &= _equal(replayed, eager) and _equal(replayed, expected)
+            changed |= not _equal(replayed, first)
+        name = f"select {policy} shared={shared} ep={ep}"
+        results.append(dict(check=name, ok=ok, inputs_changed_output=changed))
+    return results
+
+
+def check_predictor(device, shape, trials: int) -> list[dict]:
+    """The online predictor's prediction and the whole selection step, captured once each,
+    replayed after the tables learn new routing and the tokens change in place."""
+    batch, topk, steps, layers, experts, budget, ranks = shape
+    gen = torch.Generator().manual_seed(7)
+    predictor = OnlineExpertPredictor(
+        layers, experts, 8, num_buckets=512, halve_every=2, device=device
+    )
+
+    def learn():
+        tokens = torch.randint(0, 5000, (256,), generator=gen)
+        routing = torch.randint(0, experts, (256, layers, 8), generator=gen)
+        predictor.observe(tokens.to(device), routing.to(device), validate=False)
+
+    learn()
+    nodes = topk + (steps - 1) * topk * topk
+    tokens = torch.randint(0, 5000, (batch, 1 + nodes), generator=gen).to(device)
+    values = _tree_values(batch, topk, steps, layers, experts, seed=0)
+    tree = {k: v.to(device) for k, v in values.items()}
+    placement = Placement(_placement(layers, experts, ranks, seed=0).to(device), ranks)
+    options = SelectionOptions(policy="ecospec", share_buffer=True)
+
+    def predict():
+        flat = tokens.flatten()
+        return predictor.predict_topk(flat), predictor.predict_bitmaps(flat)
+
+    def step():
+        s = select_step(
+            predictor, tokens, tree["scores"], tree["parents"], budget, options, placement=placement
+        )
+        return s.selected, s.verify_predicted
+
+    results = []
+    for name, fn in [("predict_topk + predict_bitmaps", predict), ("select_step", step)]:
+        captured = Captured(fn, device)
+        first, ok, changed = captured.replay(), True, False
+        for trial in range(1, trials + 1):
+            learn()  # new counts in the tables, in place (and aging every second call)
+            tokens.copy_(torch.randint(0, 5000, tokens.shape, generator=gen))
+            new = _tree_values(batch, topk, steps, layers, experts, seed=100 + trial)
+            _fill(tree, {k: new[k] for k in ("scores", "parents")})
+            placement.expert_rank.copy_(_placement(layers, experts, ranks, seed=trial))
+            replayed = captured.replay()
+            ok &= _equal(replayed, fn())
+            changed |= not _equal(replayed, first)
+        results.append(dict(check=name, ok=ok, inputs_changed_output=changed))
+    return results
+
+
+def run_checks(device: torch.device, tiny: bool, trials: int = 3) -> list[dict]:
+    # (B, topk, steps, L, E, budget, EP ranks)
+    shape = (3, 2, 2, 4, 70, 3, 2) if tiny else (16, 4, 3, 94, 128, 7, 8)
+    results = check_selection(device, shape, trials) + check_predictor(device, shape, trials)
+    for r in results:
+        status = "ok" if r["ok"] and r["inputs_changed_output"] else "MISMATCH"
+        print(f"graph {r['check']:40} {status}", flush=True)
+    return results
+
+
+def failures(results: list[dict]) -> list[dict]:
+    """Failed checks: a replay that differs from the eager call or the reference, or one
+    that never changed with its inputs (a graph reading stale buffers)."""
+    return [r for r in results if not (r["ok"] and r["inputs_changed_output"])]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="small sizes")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: no GPU visible; use --device cpu for a logic check", file=sys.stderr)
+        return 2
+    results = run_checks(device, args.tiny or device.type == "cpu")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "graph_check.json").write_text(json.dumps(results, indent=2))
+    failed = failures(results)
+    if failed:
+        print(f"error: CUDA-graph replay mismatches: {failed}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
