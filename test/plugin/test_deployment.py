@@ -109,6 +109,7 @@ def test_worker_checks_before_sglang_builds_it(monkeypatch):
     from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
 
     built = []
+
     def sglang_init(self, *args):
         built.append(args)
         self._draft_worker = None  # no draft model: ECOSPEC builds no runtime
