@@ -189,6 +189,10 @@ class EcoSpecSettings:
             if not key.startswith(ENV_PREFIX) or key == CONFIG_ENV:
                 continue
             name = key[len(ENV_PREFIX) :].lower()
+            if name not in fields and environ.get("SGL_" + key[len("SGLANG_") :]) == raw:
+                # SGLang copies every SGL_* variable to SGLANG_* at import, so the lab's
+                # SGL_ECOSPEC_CACHE (not a setting) shows up here as well.
+                continue
             if name not in fields:
                 raise EcoSpecSettingsError(
                     f"unknown EcoSpec setting {key}; known: "

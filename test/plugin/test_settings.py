@@ -96,3 +96,11 @@ def test_settings_file_rejects_unknown_keys_and_wrong_types(tmp_path):
     config.write_text(json.dumps({"share_buffer": "yes"}))
     with pytest.raises(EcoSpecSettingsError, match="must be bool"):
         EcoSpecSettings.from_env({"SGLANG_ECOSPEC_CONFIG": str(config)})
+
+
+def test_sglangs_copy_of_the_labs_sgl_variables_is_not_a_setting():
+    # SGLang copies SGL_* variables to SGLANG_* at import; SGL_ECOSPEC_CACHE is the lab's.
+    environ = {"SGL_ECOSPEC_CACHE": "/tmp/c", "SGLANG_ECOSPEC_CACHE": "/tmp/c"}
+    assert EcoSpecSettings.from_env(environ) == EcoSpecSettings.from_env({})
+    with pytest.raises(EcoSpecSettingsError, match="unknown EcoSpec setting SGLANG_ECOSPEC_CACHE"):
+        EcoSpecSettings.from_env({"SGLANG_ECOSPEC_CACHE": "/tmp/c"})
