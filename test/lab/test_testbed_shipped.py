@@ -178,3 +178,15 @@ def test_make_reproducible_reexecutes_the_command_pinned_then_fixes_threads(monk
         assert calls == [] and torch.get_num_threads() == numerics.REPRODUCIBLE_THREADS
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_shipped_full_draft_matches_the_full_recipes_target():
+    drafts = shipped.shipped_drafts()
+    assert [d.name for d in drafts] == ["full-v1"]
+    full = drafts[0]
+    assert full.target_sha256 == recipe.TARGET_SHA256["full"]
+    assert full.manifest["command"].startswith("sgl-ecospec testbed train-draft")
+    assert full.manifest["spec"] == json.loads(json.dumps(dataclasses.asdict(recipe.SHIPPED_DRAFT)))
+    draft = full.load()  # checks the weights against the manifest's hash
+    assert draft.config.draft_vocab_size == recipe.SHIPPED_DRAFT.vocab_size
+    assert list(draft.config.aux_layer_ids) == list(recipe.FULL.draft.aux_layer_ids)
