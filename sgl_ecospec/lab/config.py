@@ -21,7 +21,10 @@ from sgl_ecospec.ops.selection import DEFAULT_EPS, POLICIES, SelectionOptions
 # The sweep's policies, in the order they are reported.
 SWEEP_POLICIES = ("confidence", "ecospec", "ecospec-ep", "adaptive")
 # Testbed build times on two cores (docs/testbed.md), for the announcement.
-_BUILD_TIME = {"full": "about 24 minutes", "small": "about 3 to 7 minutes"}
+_BUILD_TIME = {
+    "full": "about 8-10 minutes with the shipped draft, 40-50 if it must train one",
+    "small": "about 3 to 7 minutes",
+}
 
 
 def num_candidates(topk: int, steps: int) -> int:

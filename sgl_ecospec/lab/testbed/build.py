@@ -66,8 +66,9 @@ CHAT_PROBES = (
     "Give me three tips for staying healthy.",
     "Write a Python function that returns the square of a number.",
 )
-# Draft training time on an idle 2-core machine, said before it starts.
-_DRAFT_TIME = {"full": "about 20 minutes", "small": "about 3 minutes"}
+# Draft data and training time on an idle 2-core machine, said before it starts (full: the
+# 35 minutes measured before the kernels were pinned to AVX2, which are about 1.4x slower).
+_DRAFT_TIME = {"full": "roughly 40-50 minutes", "small": "about 3 minutes"}
 PROBE_TEXT = "The capital of France is Paris. Mixture-of-experts models route every token."
 
 
