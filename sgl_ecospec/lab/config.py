@@ -22,7 +22,7 @@ from sgl_ecospec.ops.selection import DEFAULT_EPS, POLICIES, SelectionOptions
 SWEEP_POLICIES = ("confidence", "ecospec", "ecospec-ep", "adaptive")
 # Testbed build times on two cores (docs/testbed.md), for the announcement.
 _BUILD_TIME = {
-    "full": "about 8-10 minutes with the shipped draft, 40-50 if it must train one",
+    "full": "about 8-10 minutes with the shipped draft, 40-50 if it must train a draft",
     "small": "about 3 to 7 minutes",
 }
 
@@ -341,7 +341,7 @@ def testbed_models(small: bool) -> tuple[str, str]:
     directory = build_dir(recipe)
     if not (directory / testbed_build.INFO_FILE).is_file():
         print(
-            f"[testbed] building the {variant} testbed ({_BUILD_TIME[variant]} on 2 cores) "
+            f"[testbed] building the {variant} testbed (2 cores: {_BUILD_TIME[variant]}) "
             f"into {directory}; later runs reuse it",
             file=sys.stderr,
             flush=True,

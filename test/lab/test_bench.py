@@ -407,5 +407,5 @@ def test_testbed_models_are_the_testbed(monkeypatch, tmp_path, capsys):
     # A build is announced on stderr before it starts (nothing is cached here).
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("[testbed] building the small testbed (")
-    assert err[1].startswith("[testbed] building the full testbed (about 24 minutes on 2 cores)")
+    assert err[1].startswith("[testbed] building the full testbed (2 cores: about 8-10 minutes")
     assert err[1].endswith("; later runs reuse it") and str(tmp_path / "cache") in err[1]
