@@ -16,6 +16,15 @@ VOCAB, HIDDEN, LAYERS, EXPERTS, TOP_K = 512, 64, 4, 16, 4
 INTERMEDIATE, HEADS, KV_HEADS = 128, 4, 2
 AUX = [0, 1, 2]
 
+# Decoder sizes of the toy drafts (and toy Llama targets) of the testbed tests.
+TOY_SIZES = {
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 40,
+}
+
 
 def eagle3_draft(counts, hidden, intermediate, heads, kv_heads, draft_vocab, aux, std, seed=0):
     """A fresh EAGLE-3 draft (``init_weights`` with ``std`` and ``seed``) over a vocab of

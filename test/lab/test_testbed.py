@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from _models import TOY_SIZES as TOY
 from torch import nn
 
 from sgl_ecospec.lab import eagle3, numerics
@@ -144,15 +145,6 @@ def test_ttt_mask_is_causal_then_diagonal():
 
 
 # The toy draft's (and its toy target's) shape, as config fields.
-TOY = {
-    "hidden_size": 16,
-    "intermediate_size": 32,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "vocab_size": 40,
-}
-
-
 def _toy_samples(gen, count=16, length=16, vocab=40, hidden=16, aux_layers=2, k=4):
     # The "target" always continues token x with x + 1 (mod vocab), with probability 0.7.
     samples = []

@@ -7,19 +7,12 @@ import sys
 
 import pytest
 import torch
+from _models import TOY_SIZES as TOY
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from sgl_ecospec.lab import eagle3, numerics
 from sgl_ecospec.lab.testbed import draft_training, recipe, shipped
-
-TOY = {
-    "hidden_size": 16,
-    "intermediate_size": 32,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "vocab_size": 40,
-}
 
 
 def test_weights_sha256_covers_tensors_not_file_layout(tmp_path):
