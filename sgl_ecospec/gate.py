@@ -1,0 +1,275 @@
+"""The utility gate: per batch-size bucket, speculate only where it beats plain decoding.
+
+Speculation pays when the tokens a speculative step yields per request, divided by its time,
+exceed plain decoding's one token per (shorter) step. Its utility in a bucket is
+
+    utility = tokens_per_spec_step * plain_step_time / spec_step_time
+
+(Cascade's measure: token gain over verify cost). :class:`UtilityGate` keeps, per bucket, the
+exponential moving averages of the three measured quantities and closes the bucket (plain
+decoding: no draft, no verify tree) while the utility is below ``1 - margin``, opens it again
+above ``1 + margin``. The mode that is not running is re-probed for ``probe_steps`` steps,
+``probe_interval`` steps of the bucket after a decision, then at twice the distance after
+each probe that confirms it (up to ``max_probe_interval``), so a change of traffic or
+acceptance is seen again at a cost that falls while nothing changes. The first step after a
+switch of mode is not measured: it carries the switch (and, re-entering speculation, a draft
+state that the plain steps left stale).
+
+The first bucket starts speculating (or in the state ``predicted`` gives it, when a
+cost-model prediction of the utility exists), measures ``min_samples`` steps of its mode and
+then of the other, and decides. A later bucket starts in the state of the nearest bucket
+measured so far (utility changes slowly with the batch size) and is corrected by its own
+probes; without a measured neighbour it starts as the first did.
+
+Pure Python and host-side: the caller feeds it measured step times and accepted-token counts
+(which a server has on the host anyway) and asks it which mode the next step runs.
+
+Buckets: batch sizes 1, 2, 3-4, 5-8, ... (powers of two), as the cost model's eps table.
+"""
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+SPECULATE, PLAIN = "speculate", "plain"
+
+
+def bucket_of(batch_size: int) -> int:
+    """The bucket of a batch size: the smallest power of two >= ``batch_size``."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    return 1 << (batch_size - 1).bit_length()
+
+
+def bucket_label(bucket: int) -> str:
+    """``"1"``, ``"2"``, ``"3-4"``, ``"5-8"``, ...: the batch sizes of a bucket."""
+    low = bucket // 2 + 1
+    return str(bucket) if low >= bucket else f"{low}-{bucket}"
+
+
+@dataclasses.dataclass(frozen=True)
+class GateOptions:
+    """How the gate measures and decides (validated here, the one place).
+
+    Attributes:
+        probe_interval: steps of a bucket from a decision to the first probe of the mode not
+            running (>= 1); doubled after each probe that confirms the decision.
+        max_probe_interval: the longest distance between two probes (>= probe_interval).
+        probe_steps: steps per probe (>= 2: the first step after a switch is not measured).
+        min_samples: measured steps of each mode before a fresh bucket's first decision.
+        margin: hysteresis in [0, 0.5): close below 1 - margin, open above 1 + margin.
+        smoothing: weight of a new sample in the moving averages, in (0, 1].
+    """
+
+    probe_interval: int = 64
+    max_probe_interval: int = 1024
+    probe_steps: int = 4
+    min_samples: int = 4
+    margin: float = 0.02
+    smoothing: float = 0.2
+
+    def __post_init__(self):
+        lows = (
+            ("probe_interval", 1),
+            ("max_probe_interval", self.probe_interval),
+            ("probe_steps", 2),
+            ("min_samples", 1),
+        )
+        for name, low in lows:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"gate {name} must be an int >= {low}, got {value!r}")
+        if not 0 <= self.margin < 0.5:
+            raise ValueError(f"gate margin must lie in [0, 0.5), got {self.margin}")
+        if not 0 < self.smoothing <= 1:
+            raise ValueError(f"gate smoothing must lie in (0, 1], got {self.smoothing}")
+
+
+class _Average:
+    """Exponential moving average; the first sample sets it."""
+
+    def __init__(self, smoothing: float):
+        self.smoothing, self.value, self.count = smoothing, math.nan, 0
+
+    def add(self, sample: float) -> None:
+        self.count += 1
+        self.value = (
+            sample if self.count == 1 else self.value + self.smoothing * (sample - self.value)
+        )
+
+
+@dataclasses.dataclass
+class BucketState:
+    """One bucket's measurements and decision (host numbers, for logs and metrics).
+
+    Attributes:
+        open: the bucket speculates outside probes.
+        utility: the measured utility, NaN until both modes are measured.
+        spec_time, plain_time: seconds per step, NaN until measured.
+        spec_tokens: tokens per request per speculative step (accepted drafts + 1).
+        steps: steps this bucket has run; probes counted in ``probes``.
+        switches: decisions that changed ``open``.
+    """
+
+    open: bool
+    utility: float = math.nan
+    spec_time: float = math.nan
+    plain_time: float = math.nan
+    spec_tokens: float = math.nan
+    steps: int = 0
+    probes: int = 0
+    switches: int = 0
+
+
+class _Bucket:
+    def __init__(self, options: GateOptions, open_: bool, inherited: bool):
+        self.options = options
+        self.open = open_
+        self.spec_time = _Average(options.smoothing)
+        self.plain_time = _Average(options.smoothing)
+        self.spec_tokens = _Average(options.smoothing)
+        self.steps = self.probes = self.switches = 0
+        # A fresh bucket measures both modes before deciding; an inherited one has a state.
+        self.settled = inherited
+        self.interval = options.probe_interval
+        self.since_probe = 0
+        self.probe_mode = SPECULATE
+        self.probe_left = 0  # steps of the running probe still to go
+
+    def measured(self) -> bool:
+        return min(self.spec_time.count, self.plain_time.count) > 0
+
+    def utility(self) -> float:
+        if not self.measured():
+            return math.nan
+        return self.spec_tokens.value * self.plain_time.value / self.spec_time.value
+
+    def next_mode(self) -> str:
+        usual = SPECULATE if self.open else PLAIN
+        if self.probe_left == 0:
+            if not self.settled:
+                needed = self.options.min_samples
+                usual_count = (self.spec_time if self.open else self.plain_time).count
+                other_count = (self.plain_time if self.open else self.spec_time).count
+                if usual_count >= needed:
+                    # +1: the first step after the switch is not measured.
+                    self.probe_left = max(needed - other_count, 0) + 1
+            elif self.since_probe >= self.interval:
+                self.probe_left = self.options.probe_steps
+                self.interval = min(2 * self.interval, self.options.max_probe_interval)
+            if self.probe_left:
+                self.probe_mode = PLAIN if self.open else SPECULATE
+                self.probes += 1
+                self.since_probe = 0
+        if self.probe_left:
+            self.probe_left -= 1
+            return self.probe_mode
+        self.since_probe += 1
+        return usual
+
+
+class UtilityGate:
+    """Per batch-size bucket: speculate or decode plainly (module doc).
+
+    Args:
+        options: :class:`GateOptions`.
+        predicted: optional ``batch_size -> utility`` from the cost model; a bucket's start
+            state before anything is measured (open when >= 1). None: every bucket starts
+            open.
+        on_change: called with ``(bucket, BucketState)`` whenever a decision flips a bucket
+            (logging, metrics).
+
+    Usage per step: ``mode = gate.mode(batch_size)`` before the step, then
+    ``gate.record(batch_size, mode, seconds, tokens_per_request)`` once it is measured.
+    """
+
+    def __init__(
+        self,
+        options: GateOptions | None = None,
+        *,
+        predicted: Callable[[int], float] | None = None,
+        on_change: Callable[[int, BucketState], None] | None = None,
+    ):
+        self.options = options or GateOptions()
+        self.predicted = predicted
+        self.on_change = on_change
+        self._buckets: dict[int, _Bucket] = {}
+        self._last_mode: str | None = None  # of the last recorded step, any bucket
+
+    def _bucket(self, batch_size: int) -> _Bucket:
+        key = bucket_of(batch_size)
+        if key not in self._buckets:
+            measured = [k for k, b in self._buckets.items() if b.measured()]
+            if measured:
+                nearest = min(measured, key=lambda k: (abs(math.log2(k / key)), k))
+                self._buckets[key] = _Bucket(self.options, self._buckets[nearest].open, True)
+            else:
+                start_open = True if self.predicted is None else self.predicted(key) >= 1.0
+                self._buckets[key] = _Bucket(self.options, start_open, False)
+        return self._buckets[key]
+
+    def mode(self, batch_size: int) -> str:
+        """:data:`SPECULATE` or :data:`PLAIN` for the next step of a batch of this size."""
+        bucket = self._bucket(batch_size)
+        bucket.steps += 1
+        return bucket.next_mode()
+
+    def record(self, batch_size: int, mode: str, seconds: float, tokens: float) -> None:
+        """A measured step: its wall time and its tokens per request (speculative: accepted
+        drafts + 1, averaged over the batch; plain: 1). The first step after a switch of
+        mode is dropped (module doc). Then re-decides the bucket."""
+        if mode not in (SPECULATE, PLAIN):
+            raise ValueError(f"mode must be {SPECULATE!r} or {PLAIN!r}, got {mode!r}")
+        if not (math.isfinite(seconds) and seconds > 0):
+            return
+        switched = self._last_mode is not None and self._last_mode != mode
+        self._last_mode = mode
+        if switched:
+            return
+        bucket = self._bucket(batch_size)
+        if mode == SPECULATE:
+            bucket.spec_time.add(seconds)
+            bucket.spec_tokens.add(tokens)
+        else:
+            bucket.plain_time.add(seconds)
+        self._decide(bucket_of(batch_size), bucket)
+
+    def _decide(self, key: int, bucket: _Bucket) -> None:
+        if not bucket.settled:
+            needed = self.options.min_samples
+            if min(bucket.spec_time.count, bucket.plain_time.count) < needed:
+                return
+            bucket.settled = True
+        elif not bucket.measured():
+            return
+        utility = bucket.utility()
+        margin = self.options.margin
+        if bucket.open and utility < 1 - margin:
+            bucket.open = False
+        elif not bucket.open and utility > 1 + margin:
+            bucket.open = True
+        else:
+            return
+        bucket.switches += 1
+        bucket.since_probe = 0
+        bucket.interval = self.options.probe_interval
+        if self.on_change is not None:
+            self.on_change(key, self.state(key))
+
+    def state(self, bucket: int) -> BucketState:
+        """The state of a bucket (a key of :meth:`buckets`)."""
+        b = self._buckets[bucket]
+        return BucketState(
+            open=b.open,
+            utility=b.utility(),
+            spec_time=b.spec_time.value,
+            plain_time=b.plain_time.value,
+            spec_tokens=b.spec_tokens.value,
+            steps=b.steps,
+            probes=b.probes,
+            switches=b.switches,
+        )
+
+    def buckets(self) -> list[int]:
+        """The buckets seen so far, ascending."""
+        return sorted(self._buckets)

@@ -1,0 +1,159 @@
+"""The utility gate: buckets, the start-up measurements, decisions with hysteresis, re-probing,
+the first step after a switch left unmeasured, and the options' validation."""
+
+import math
+
+import pytest
+
+from sgl_ecospec.gate import (
+    PLAIN,
+    SPECULATE,
+    GateOptions,
+    UtilityGate,
+    bucket_label,
+    bucket_of,
+)
+
+
+def drive(gate, steps, batch_size, spec_time, plain_time, tokens):
+    """Runs ``steps`` steps of a simulated server whose speculative steps take ``spec_time``
+    and yield ``tokens`` per request and whose plain steps take ``plain_time``; returns the
+    modes run."""
+    modes = []
+    for _ in range(steps):
+        mode = gate.mode(batch_size)
+        modes.append(mode)
+        if mode == SPECULATE:
+            gate.record(batch_size, mode, spec_time, tokens)
+        else:
+            gate.record(batch_size, mode, plain_time, 1.0)
+    return modes
+
+
+def test_buckets_are_powers_of_two():
+    assert [bucket_of(b) for b in (1, 2, 3, 4, 5, 8, 9, 64, 65)] == [1, 2, 4, 4, 8, 8, 16, 64, 128]
+    assert [bucket_label(b) for b in (1, 2, 4, 8)] == ["1", "2", "3-4", "5-8"]
+    with pytest.raises(ValueError, match="batch_size"):
+        bucket_of(0)
+
+
+def test_closes_where_speculation_loses_and_stays_closed_between_probes():
+    options = GateOptions(probe_interval=50, max_probe_interval=50, probe_steps=3, min_samples=4)
+    gate = UtilityGate(options)
+    # Speculation: 1.5 tokens per step at twice plain decoding's time -> utility 0.75.
+    modes = drive(gate, 400, 1, spec_time=0.2, plain_time=0.1, tokens=1.5)
+    assert modes[:4] == [SPECULATE] * 4  # measures speculation first (starts open)
+    assert modes[4:9] == [PLAIN] * 5  # then plain decoding (+1: the switch step)
+    state = gate.state(1)
+    assert not state.open and state.switches == 1
+    assert state.utility == pytest.approx(0.75)
+    # After the decision only probes speculate: probe_steps every probe_interval steps.
+    late = modes[100:]
+    assert late.count(SPECULATE) <= math.ceil(len(late) / options.probe_interval) * 3
+    assert late.count(SPECULATE) >= 3
+    assert state.plain_time == pytest.approx(0.1) and state.spec_time == pytest.approx(0.2)
+
+
+def test_stays_open_where_speculation_pays_and_probes_plain_decoding():
+    options = GateOptions(probe_interval=40, max_probe_interval=40, probe_steps=2, min_samples=3)
+    gate = UtilityGate(options)
+    modes = drive(gate, 300, 4, spec_time=0.15, plain_time=0.1, tokens=2.4)  # utility 1.6
+    state = gate.state(4)
+    assert state.open and state.switches == 0
+    assert state.utility == pytest.approx(1.6)
+    assert modes[-100:].count(PLAIN) >= 2  # re-probed
+    assert modes[-100:].count(SPECULATE) >= 90
+
+
+def test_reopens_when_acceptance_rises_and_keeps_buckets_apart():
+    options = GateOptions(probe_interval=20, max_probe_interval=40, probe_steps=4, min_samples=3)
+    gate = UtilityGate(options)
+    drive(gate, 100, 1, spec_time=0.2, plain_time=0.1, tokens=1.2)
+    assert not gate.state(1).open
+    # Another bucket starts in its neighbour's state, and its own probes correct it.
+    assert gate.mode(16) == PLAIN
+    drive(gate, 200, 16, spec_time=0.12, plain_time=0.1, tokens=2.0)
+    assert gate.state(16).open and not gate.state(1).open
+    # Acceptance in bucket 1 rises: the probes see it and the gate opens again.
+    drive(gate, 200, 1, spec_time=0.2, plain_time=0.1, tokens=3.0)
+    assert gate.state(1).open and gate.state(1).switches == 2
+    assert gate.buckets() == [1, 16]
+
+
+def test_probes_back_off_while_the_decision_holds():
+    options = GateOptions(probe_interval=10, max_probe_interval=80, probe_steps=3, min_samples=2)
+    gate = UtilityGate(options)
+    modes = drive(gate, 1000, 1, spec_time=0.3, plain_time=0.1, tokens=1.5)
+    starts = [i for i in range(1, len(modes)) if modes[i] == SPECULATE != modes[i - 1]]
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    # 10, 20, 40, 80, 80, ... plain steps between probes (plus the probe's own 3 steps).
+    assert gaps[:4] == [23, 43, 83, 83]
+    assert gate.state(1).switches == 1
+
+
+def test_a_fresh_bucket_without_measured_neighbours_measures_both_modes():
+    gate = UtilityGate(GateOptions(min_samples=2))
+    assert [gate.mode(8) for _ in range(2)] == [SPECULATE, SPECULATE]
+    assert gate.mode(2) == SPECULATE  # nothing measured yet: starts fresh as well
+    assert not gate._buckets[2].settled
+
+
+def test_hysteresis_keeps_a_utility_near_one_from_flapping():
+    gate = UtilityGate(GateOptions(probe_interval=10, probe_steps=3, min_samples=2, margin=0.05))
+    drive(gate, 300, 2, spec_time=0.1, plain_time=0.1, tokens=1.02)  # utility 1.02
+    assert gate.state(2).open and gate.state(2).switches == 0
+
+
+def test_first_step_after_a_switch_is_not_measured():
+    gate = UtilityGate(GateOptions(min_samples=2, probe_steps=2))
+    gate.record(1, SPECULATE, 0.2, 2.0)
+    gate.record(1, PLAIN, 99.0, 1.0)  # the switch step: dropped
+    gate.record(1, PLAIN, 0.1, 1.0)
+    assert gate.state(1).plain_time == pytest.approx(0.1)
+    # The switch is the gate's, not a bucket's: a step of another bucket counts too.
+    gate.record(8, SPECULATE, 5.0, 2.0)  # after a plain step: dropped
+    gate.record(8, SPECULATE, 0.3, 2.0)
+    assert gate.state(8).spec_time == pytest.approx(0.3)
+
+
+def test_prediction_sets_the_start_state_until_measured():
+    gate = UtilityGate(GateOptions(min_samples=2), predicted=lambda b: 0.5 if b <= 2 else 1.5)
+    assert gate.mode(1) == PLAIN and gate.mode(8) == SPECULATE
+    assert not gate.state(1).open and gate.state(8).open
+
+
+def test_on_change_reports_each_flip():
+    seen = []
+    gate = UtilityGate(
+        GateOptions(min_samples=2, probe_interval=30, max_probe_interval=30),
+        on_change=lambda b, s: seen.append((b, s)),
+    )
+    drive(gate, 60, 1, spec_time=0.3, plain_time=0.1, tokens=1.5)
+    assert len(seen) == 1 and seen[0][0] == 1 and not seen[0][1].open
+
+
+def test_bad_samples_are_ignored_and_bad_modes_refused():
+    gate = UtilityGate()
+    assert gate.mode(1) == SPECULATE
+    gate.record(1, SPECULATE, float("nan"), 2.0)
+    gate.record(1, SPECULATE, 0.0, 2.0)
+    assert math.isnan(gate.state(1).spec_time)
+    with pytest.raises(ValueError, match="mode"):
+        gate.record(1, "draft", 0.1, 1.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"probe_interval": 0}, "probe_interval"),
+        ({"probe_interval": 8, "max_probe_interval": 4}, "max_probe_interval must be an int >= 8"),
+        ({"probe_steps": 1}, "probe_steps"),
+        ({"min_samples": 0}, "min_samples"),
+        ({"margin": 0.5}, "margin"),
+        ({"smoothing": 0.0}, "smoothing"),
+        ({"probe_steps": True}, "probe_steps"),
+    ],
+)
+def test_options_are_validated(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GateOptions(**kwargs)
