@@ -1,8 +1,10 @@
 """CUDA-graph check of the device check (scripts/gpu_check.sh via scripts/gpu_bench.py):
-captures the selection op, the online predictor's prediction and the whole selection step
-once each, then changes their persistent inputs in place (new scores, parents, bitmaps,
-placement, tokens, predictor tables), replays, and compares every replay with an eager call
-on the new state and the selection with the reference. Any mismatch fails the check.
+captures the selection op, the online predictor's prediction, the whole selection step and
+the verify-MoE kernel (bf16, its bitmap into a persistent buffer) once each, then changes
+their persistent inputs in place (new scores, parents, bitmaps, placement, tokens, predictor
+tables, hidden states and routing with padded rows), replays, and compares every replay with
+an eager call on the new state, and the selection and the MoE with their references (the
+MoE within a bf16 tolerance). Any mismatch fails the check.
 
     python3 scripts/gpu_graph_check.py --out $OUT          # on the GPU machine
     python3 scripts/gpu_graph_check.py --device cpu --out /tmp/x
@@ -24,6 +26,7 @@ from gpu_bench_selection import rank_major_placement, selection_kwargs, sglang_t
 from sgl_ecospec import select_verify_set  # noqa: E402
 from sgl_ecospec.ops.selection import SelectionOptions  # noqa: E402
 from sgl_ecospec.ops.selection_reference import select_verify_set_reference  # noqa: E402
+from sgl_ecospec.ops.verify_moe import verify_moe, verify_moe_reference  # noqa: E402
 from sgl_ecospec.predictors.online import OnlineExpertPredictor  # noqa: E402
 from sgl_ecospec.step import Placement, select_step  # noqa: E402
 
@@ -186,10 +189,83 @@ def check_predictor(device, shape, trials: int) -> list[dict]:
     return results
 
 
+def verify_moe_tolerance(dtype: torch.dtype) -> float:
+    """Largest accepted max |kernel - reference| / max |reference| of ``verify_moe``: the
+    kernel and the reference both accumulate in float32, so a 16-bit output differs by the
+    final rounding, at most one ulp (2^-7 of a bf16 value); 2e-2 leaves about 2.5 ulps."""
+    return 1e-4 if dtype == torch.float32 else 2e-2
+
+
+def _moe_routing(tokens, experts, top_k, padded, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids int32 ``[T, K]``, weights float32 ``[T, K]``): distinct experts per token, the
+    last ``padded`` rows -1 as SGLang pads a graph batch (their weights are unused)."""
+    device = gen.device
+    scores = torch.rand(tokens, experts, generator=gen, device=device)
+    weights, ids = scores.topk(top_k, dim=1)
+    ids[tokens - padded :] = -1
+    return ids.int(), weights / weights.sum(1, keepdim=True)
+
+
+def check_verify_moe(device, tiny: bool, trials: int) -> list[dict]:
+    """``verify_moe`` captured once on persistent hidden states, routing and bitmap buffer
+    (bf16 on a GPU; float32 on the CPU, where the reference or Triton's interpreter runs),
+    replayed after new tokens and routing (padded rows included) are written in place."""
+    if tiny:
+        tokens, hidden, inter, experts, top_k, dtype = 6, 64, 32, 70, 4, torch.float32
+    else:  # a Qwen3-30B-A3B MoE layer, one verify of B = 4 requests x 8 tokens
+        tokens, hidden, inter, experts, top_k, dtype = 32, 2048, 768, 128, 8, torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
+
+    w13 = randn(experts, 2 * inter, hidden, scale=hidden**-0.5)
+    w2 = randn(experts, hidden, inter, scale=inter**-0.5)
+    x = randn(tokens, hidden)
+    ids, weights = _moe_routing(tokens, experts, top_k, 0, gen)
+    bitmap = torch.zeros((experts + 63) // 64, dtype=torch.int64, device=device)
+    impl = "triton" if device.type == "cuda" else "auto"
+
+    def moe():
+        return verify_moe(x, w13, w2, ids, weights, bitmap_out=bitmap, impl=impl)
+
+    captured = Captured(moe, device)
+    first, ok, changed, error = captured.replay(), True, False, 0.0
+    for trial in range(1, trials + 1):
+        padded = trial % 3  # 1, 2, 0 padded rows
+        new_ids, new_weights = _moe_routing(tokens, experts, top_k, padded, gen)
+        _fill(
+            dict(x=x, ids=ids, weights=weights),
+            dict(x=randn(tokens, hidden), ids=new_ids, weights=new_weights),
+        )
+        replayed = captured.replay()  # (output [T, H], the bitmap buffer after the replay)
+        eager = moe()
+        ref, ref_bitmap = verify_moe_reference(x, w13, w2, ids, weights)
+        trial_error = float(
+            (replayed[0].float() - ref.float()).abs().max() / ref.float().abs().max()
+        )
+        error = max(error, trial_error)
+        ok &= _equal(replayed, eager) and _equal(replayed[1], ref_bitmap)
+        ok &= bool((replayed[0][tokens - padded :] == 0).all())
+        changed |= not _equal(replayed, first)
+    tolerance = verify_moe_tolerance(dtype)
+    name = f"verify_moe {str(dtype).removeprefix('torch.')} T={tokens} E={experts} K={top_k}"
+    return [
+        dict(
+            check=name,
+            ok=ok and error <= tolerance,
+            inputs_changed_output=changed,
+            rel_error=error,
+            tolerance=tolerance,
+        )
+    ]
+
+
 def run_checks(device: torch.device, tiny: bool, trials: int = 3) -> list[dict]:
     # (B, topk, steps, L, E, budget, EP ranks)
     shape = (3, 2, 2, 4, 70, 3, 2) if tiny else (16, 4, 3, 94, 128, 7, 8)
     results = check_selection(device, shape, trials) + check_predictor(device, shape, trials)
+    results += check_verify_moe(device, tiny, trials)
     for r in results:
         status = "ok" if r["ok"] and r["inputs_changed_output"] else "MISMATCH"
         print(f"graph {r['check']:40} {status}", flush=True)

@@ -29,6 +29,7 @@ Buckets: batch sizes 1, 2, 3-4, 5-8, ... (powers of two), as the cost model's ep
 
 import dataclasses
 import math
+import statistics
 from collections.abc import Callable
 
 SPECULATE, PLAIN = "speculate", "plain"
@@ -58,7 +59,8 @@ class GateOptions:
         probe_steps: steps per probe (>= 2: the first step after a switch is not measured).
         min_samples: measured steps of each mode before a fresh bucket's first decision.
         margin: hysteresis in [0, 0.5): close below 1 - margin, open above 1 + margin.
-        smoothing: weight of a new sample in the moving averages, in (0, 1].
+        smoothing: weight of a new sample in the moving averages, in (0, 1]; the averages
+            start from the median of their first ``min_samples`` samples.
     """
 
     probe_interval: int = 64
@@ -86,16 +88,21 @@ class GateOptions:
 
 
 class _Average:
-    """Exponential moving average; the first sample sets it."""
+    """Exponential moving average seeded with the median of the first ``seed`` samples, so
+    that one outlier among them (a first call's lazy initialisation) does not linger."""
 
-    def __init__(self, smoothing: float):
-        self.smoothing, self.value, self.count = smoothing, math.nan, 0
+    def __init__(self, smoothing: float, seed: int):
+        self.smoothing, self.seed = smoothing, seed
+        self.value, self.count = math.nan, 0
+        self._first: list[float] = []
 
     def add(self, sample: float) -> None:
         self.count += 1
-        self.value = (
-            sample if self.count == 1 else self.value + self.smoothing * (sample - self.value)
-        )
+        if self.count <= self.seed:
+            self._first.append(sample)
+            self.value = statistics.median(self._first)
+        else:
+            self.value += self.smoothing * (sample - self.value)
 
 
 @dataclasses.dataclass
@@ -125,9 +132,9 @@ class _Bucket:
     def __init__(self, options: GateOptions, open_: bool, inherited: bool):
         self.options = options
         self.open = open_
-        self.spec_time = _Average(options.smoothing)
-        self.plain_time = _Average(options.smoothing)
-        self.spec_tokens = _Average(options.smoothing)
+        self.spec_time = _Average(options.smoothing, options.min_samples)
+        self.plain_time = _Average(options.smoothing, options.min_samples)
+        self.spec_tokens = _Average(options.smoothing, options.min_samples)
         self.steps = self.probes = self.switches = 0
         # A fresh bucket measures both modes before deciding; an inherited one has a state.
         self.settled = inherited

@@ -116,6 +116,13 @@ def test_first_step_after_a_switch_is_not_measured():
     assert gate.state(8).spec_time == pytest.approx(0.3)
 
 
+def test_a_slow_first_step_does_not_linger():
+    gate = UtilityGate(GateOptions(min_samples=3, smoothing=0.2))
+    for seconds in (1.0, 0.1, 0.1):  # the first speculative step pays a lazy initialisation
+        gate.record(1, SPECULATE, seconds, 2.0)
+    assert gate.state(1).spec_time == pytest.approx(0.1)
+
+
 def test_prediction_sets_the_start_state_until_measured():
     gate = UtilityGate(GateOptions(min_samples=2), predicted=lambda b: 0.5 if b <= 2 else 1.5)
     assert gate.mode(1) == PLAIN and gate.mode(8) == SPECULATE

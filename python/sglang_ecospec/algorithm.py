@@ -16,6 +16,10 @@ the V2 worker path), and :class:`EcoSpecWorker` is SGLang's ``EAGLEWorkerV2`` pl
   process; under expert parallelism the expert -> EP rank placement from SGLang's expert
   location metadata (and the EPLB refresh hook), with ``eps=auto`` the cost model's eps
   table;
+- with the utility gate (setting ``gate``, :mod:`sglang_ecospec.gate`): SGLang's adaptive
+  controller with two runtime states, the configured draft steps and plain decoding (0 steps),
+  chosen per batch-size bucket before each decode step by measured utility, and each decode
+  step timed;
 - before each decode step: a pending EPLB refresh of the EP placement applied on the
   forward stream, the batch's bonus tokens copied into the selector (seeds of the expert
   buffer);
@@ -79,11 +83,19 @@ class EcoSpecAlgo(CustomSpecAlgo):
         return build_eagle_disagg_draft_input(batch, last_tokens_tensor, future_map)
 
     def handle_server_args(self, server_args) -> None:
-        """What SGLang does for the EAGLE family (auto draft parameters, overlap off on the
-        CPU, max running requests, ...)."""
+        """What SGLang does for the EAGLE family (auto draft parameters, max running
+        requests, ...), except that on the CPU the overlap scheduler stays on."""
         from sglang.srt.arg_groups.speculative_hook import _handle_eagle_family
 
+        keep_overlap = server_args.device == "cpu" and not server_args.disable_overlap_schedule
         _handle_eagle_family(server_args)
+        if keep_overlap:
+            # SGLang turns the overlap scheduler off for speculative decoding on the CPU ("not
+            # implemented"), while the plain server keeps it; ECOSPEC's V2 path runs with it
+            # (lossless: test/e2e), so its plain-decoding steps cost what the plain server's
+            # do. --disable-overlap-schedule still turns it off.
+            server_args.disable_overlap_schedule = False
+            logger.info("%s on the CPU: keeping the overlap scheduler", NAME)
 
     def get_platform_worker_cls(self):
         return None
@@ -168,6 +180,9 @@ def _make_worker_class():
             self.ecospec_settings = EcoSpecSettings.from_env()
             self.ecospec = None  # runtime.EcoSpecRuntime
             self.ecospec_reservation = None  # memory.Reservation, held until the KV pool
+            self.ecospec_gate = None  # gate.GatePolicy (setting gate)
+            if self.ecospec_settings.gate and self._draft_worker is not None:
+                self._install_gate(server_args)
             max_batch = max_batch_bound() if self._draft_worker is not None else None
             if max_batch is not None:
                 # SGLang creates this worker right before Scheduler.init_memory_pools sizes
@@ -202,6 +217,25 @@ def _make_worker_class():
                 "before the KV pool is sized" if reserve else "NOT in the KV pool's budget",
             )
 
+        def _install_gate(self, server_args) -> None:
+            from sglang.srt.arg_groups.model_override_base import resolved_view
+
+            from sglang_ecospec import gate, hooks, metrics, tp_agreement
+
+            reason = gate.unsupported_reason(resolved_view(server_args))
+            if reason is not None:
+                logger.warning(
+                    "%s: utility gate OFF with %s: speculation runs in every step, also where "
+                    "it is slower than plain decoding (SGLANG_ECOSPEC_GATE=0 silences this)",
+                    NAME,
+                    reason,
+                )
+                return
+            self.ecospec_gate = gate.install(
+                self, self.ecospec_settings.gate_options(), tp_agreement.selection_group()
+            )
+            hooks.activate([metrics.gate_slot.bind(self.ecospec_gate)])
+
         def alloc_memory_pool(self, *args, **kwargs):
             super().alloc_memory_pool(*args, **kwargs)
             if self._draft_worker is None:
@@ -218,19 +252,26 @@ def _make_worker_class():
                 self.ecospec_reservation.release()
 
         def forward_batch_generation(self, batch, *args, **kwargs):
-            if self.ecospec is not None and not (
-                batch.forward_mode.is_extend() or batch.is_extend_in_batch
-            ):
+            decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch)
+            if self.ecospec is not None and decode:
                 self.ecospec.before_decode(batch.spec_info)
-            return super().forward_batch_generation(batch, *args, **kwargs)
+            timed = self.ecospec_gate is not None and decode and not batch.forward_mode.is_idle()
+            if not timed:
+                return super().forward_batch_generation(batch, *args, **kwargs)
+            started = self.ecospec_gate.step_started()
+            output = super().forward_batch_generation(batch, *args, **kwargs)
+            self.ecospec_gate.step_finished(batch.seq_lens.shape[0], started)
+            return output
 
         def verify(self, batch, *args, **kwargs):
+            # A plain-decoding step of the utility gate (0 draft steps) verifies the bonus
+            # tokens alone: nothing was selected, so EcoSpec measures and learns nothing.
+            if self.ecospec is None or self.speculative_num_steps == 0:
+                return super().verify(batch, *args, **kwargs)
             verify_input = batch.spec_info
-            if self.ecospec is not None:
-                self.ecospec.before_verify()
+            self.ecospec.before_verify()
             output = super().verify(batch, *args, **kwargs)
-            if self.ecospec is not None:
-                self.ecospec.after_verify(verify_input)
+            self.ecospec.after_verify(verify_input)
             return output
 
     EcoSpecWorker.__qualname__ = "EcoSpecWorker"

@@ -11,6 +11,11 @@ device sync. A CUDA graph captured for a padded batch size uses that size's buck
 Layer weights: the predictor covers every MoE layer of the served model and the fitted model
 has one expert cost for all of them, so ``selection_cost`` returns none (all ones); the
 profile must describe the served model (checked).
+
+The cost model (:func:`cost_model`): a calibration profile file (``SGLANG_ECOSPEC_PROFILE=
+FILE`` from ``sgl-ecospec calibrate``: the served model timed on this device) when given;
+otherwise the roofline prior of a model profile on a hardware profile, the fallback. The log
+says which.
 """
 
 import bisect
@@ -19,12 +24,15 @@ import logging
 import re
 
 from sgl_ecospec.costmodel import (
+    ModelProfile,
     PerformanceModel,
     analytic_params,
     get_hardware,
     get_model,
     selection_cost,
 )
+from sgl_ecospec.costmodel.calibration import CalibrationProfile
+from sglang_ecospec.settings import is_calibration_file
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +64,12 @@ def bucket_sizes(max_batch: int) -> list[int]:
     return sizes + [max(max_batch, 1)]
 
 
-def check_hardware_covers(hardware: str, ep_size: int) -> None:
+def check_hardware_covers(hardware: str | None, ep_size: int) -> None:
     """ValueError unless the hardware profile ``hardware`` has at least ``ep_size`` GPUs:
     ``selection_cost`` prices an expert on the busiest of ep_size GPUs at 1 / ep_size of the
-    profile's bandwidth."""
+    profile's bandwidth. None (a calibration profile: one device's times) passes."""
+    if hardware is None:
+        return
     name = get_hardware(hardware).name
     match = re.match(r"(\d+)x", name)
     gpus = int(match.group(1)) if match else 1
@@ -70,9 +80,58 @@ def check_hardware_covers(hardware: str, ep_size: int) -> None:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """The performance model the server prices with, and where it comes from.
+
+    Attributes:
+        perf: the fitted model.
+        calibrated: True for a calibration profile file, False for the roofline prior.
+        source: what the log names (the file and its fit, or the prior's profiles).
+    """
+
+    perf: PerformanceModel
+    calibrated: bool
+    source: str
+
+
+def cost_model(profile: str, hardware: str | None) -> CostModel:
+    """The calibrated model of the profile file ``profile``, or (``profile`` a model-profile
+    name) the roofline prior of that model on ``hardware``.
+
+    Raises:
+        ValueError: an unknown name, or a missing or corrupt file (``CalibrationFileError``).
+    """
+    if is_calibration_file(profile):
+        calibration = CalibrationProfile.load(profile)
+        source = f"calibrated profile {profile} ({calibration.summary()})"
+        return CostModel(calibration.performance_model(), True, source)
+    if hardware is None:
+        raise ValueError(f"the prior of model profile {profile!r} needs a hardware profile")
+    model, gpus = get_model(profile), get_hardware(hardware)
+    source = (
+        f"prior (fallback; no calibrated profile): roofline analytic_params of {model.name} on "
+        f"{gpus.name}; `sgl-ecospec calibrate` and SGLANG_ECOSPEC_PROFILE=FILE fit it to this "
+        "device"
+    )
+    return CostModel(
+        PerformanceModel(model, gpus, analytic_params(model, gpus).params), False, source
+    )
+
+
+def _check_served(model: ModelProfile, moe_layers: int, num_experts: int, top_k: int) -> None:
+    if (model.moe_layers, model.num_experts, model.top_k) != (moe_layers, num_experts, top_k):
+        raise ValueError(
+            f"cost-model profile {model.name!r} has {model.moe_layers} MoE layers x "
+            f"{model.num_experts} experts (top-{model.top_k}), the served model "
+            f"{moe_layers} x {num_experts} (top-{top_k}): pick the profile of this model, "
+            "or set a numeric SGLANG_ECOSPEC_EPS"
+        )
+
+
 def cost_model_eps_table(
     profile: str,
-    hardware: str,
+    hardware: str | None,
     *,
     moe_layers: int,
     num_experts: int,
@@ -81,44 +140,43 @@ def cost_model_eps_table(
     max_batch: int,
     ep_size: int = 1,
 ) -> EpsTable:
-    """eps per batch-size bucket from the analytic cost model of ``profile`` on ``hardware``.
+    """eps per batch-size bucket from the cost model (:func:`cost_model`).
 
     Args:
-        profile: a ``sgl_ecospec.costmodel.profiles.MODELS`` name; must describe the served
-            model (same MoE layers, experts, top-k).
-        hardware: a hardware profile name for the GPUs of one model replica (``8xh200``);
-            under EP it must cover at least the ep_size GPUs whose busiest one sets the pace.
+        profile: a calibration profile file, or a ``sgl_ecospec.costmodel.profiles.MODELS``
+            name; either must describe the served model (same MoE layers, experts, top-k).
+        hardware: for a model-profile name, the hardware profile of the GPUs of one model
+            replica (``8xh200``); under EP it must cover at least the ep_size GPUs whose
+            busiest one sets the pace. None with a calibration profile.
         moe_layers, num_experts, top_k: the served model's (``routing.moe_layout``).
         verify_tokens: tokens verified per request (speculative_num_draft_tokens).
         max_batch: the largest decode batch (the last bucket).
-        ep_size: expert-parallel ranks (1: no EP).
+        ep_size: expert-parallel ranks (1: no EP). A calibration profile's k2 is already
+            one device's seconds per expert, the pace of the busiest EP rank, so it is priced
+            as is (``selection_cost(ep_size=1)``).
 
     Raises:
-        ValueError: unknown names, a profile of another model, hardware smaller than the EP
-            group.
+        ValueError: unknown names, a missing or corrupt file, a profile of another model,
+            hardware smaller than the EP group.
     """
-    model, gpus = get_model(profile), get_hardware(hardware)
-    served = (moe_layers, num_experts, top_k)
-    if (model.moe_layers, model.num_experts, model.top_k) != served:
-        raise ValueError(
-            f"cost-model profile {model.name!r} has {model.moe_layers} MoE layers x "
-            f"{model.num_experts} experts (top-{model.top_k}), the served model "
-            f"{moe_layers} x {num_experts} (top-{top_k}): pick the profile of this model, "
-            "or set a numeric SGLANG_ECOSPEC_EPS"
-        )
-    check_hardware_covers(hardware, ep_size)
-    perf = PerformanceModel(model, gpus, analytic_params(model, gpus).params)
+    model_cost = cost_model(profile, hardware)
+    perf = model_cost.perf
+    _check_served(perf.model, moe_layers, num_experts, top_k)
+    if not model_cost.calibrated:
+        check_hardware_covers(hardware, ep_size)
+    priced_ep = 1 if model_cost.calibrated else ep_size
     batches = bucket_sizes(max_batch)
     eps = []
     for batch in batches:
         # layers = the profile's MoE layers (checked above): no layer weights.
-        cost = selection_cost(perf, batch, verify_tokens, layers=moe_layers, ep_size=ep_size)
+        cost = selection_cost(perf, batch, verify_tokens, layers=moe_layers, ep_size=priced_ep)
         eps.append(cost.eps)
     table = EpsTable(tuple(batches), tuple(eps))
+    logger.info("ECOSPEC cost model: %s", model_cost.source)
     logger.info(
         "ECOSPEC eps from the cost model (%s on %s, %d verify tokens, ep_size %d): %s",
-        model.name,
-        gpus.name,
+        perf.model.name,
+        perf.hardware.name,
         verify_tokens,
         ep_size,
         ", ".join(f"bs>={b}: {e:.4g}" for b, e in zip(table.batches, table.eps, strict=True)),

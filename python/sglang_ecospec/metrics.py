@@ -154,6 +154,8 @@ slot: HookSlot = HookSlot("decode log window")
 # The "EcoSpec:" line's poll (``EcoSpecRuntime.poll_log``), called by the same hook; it adds
 # no hook of its own.
 log_line_slot: HookSlot = HookSlot("EcoSpec log line")
+# The utility gate's policy (``gate.GatePolicy``), whose per-bucket states the same hook exports.
+gate_slot: HookSlot = HookSlot("utility gate")
 _line_fields = DecodeLineFields()
 _metrics: EcoSpecMetrics | None = None
 
@@ -197,6 +199,11 @@ def report_decode_stats_hook(original, reporter, *args, **kwargs):
     poll = log_line_slot.active()
     if poll is not None:
         poll()
+    gate = gate_slot.active()
+    collector = getattr(reporter, "metrics_collector", None)
+    if gate is not None and is_report_tick(reporter) and collector is not None:
+        if reporter.current_scheduler_metrics_enabled:
+            gate.export(collector)
     window = slot.active()
     if window is None or not is_report_tick(reporter):
         return original(reporter, *args, **kwargs)
@@ -213,7 +220,6 @@ def report_decode_stats_hook(original, reporter, *args, **kwargs):
     finally:
         decode_logger.removeFilter(_line_fields)
         _line_fields.fields = None
-    collector = getattr(reporter, "metrics_collector", None)
     if reporter.current_scheduler_metrics_enabled and collector is not None:
         metrics_for(collector).record(summary, accept_length)
     return result

@@ -21,7 +21,9 @@ import os
 import typing
 from typing import Any
 
+from sgl_ecospec.costmodel.calibration import CalibrationFileError, CalibrationProfile
 from sgl_ecospec.costmodel.profiles import HARDWARE, MODELS, get_hardware, get_model
+from sgl_ecospec.gate import GateOptions
 from sgl_ecospec.ops.selection import DEFAULT_EPS, SelectionOptions
 
 ENV_PREFIX = "SGLANG_ECOSPEC_"
@@ -48,8 +50,11 @@ class EcoSpecSettings:
             ``hardware`` (``sgl_ecospec.costmodel.selection_cost``) at startup.
         profile, hardware: the cost model's model profile (a name of
             ``sgl_ecospec.costmodel.profiles.MODELS``, matching the served model) and
-            hardware (``h200``, or ``<n>xh200`` for the n GPUs of one model replica). Read
-            only with eps "auto", and then required.
+            hardware (``h200``, or ``<n>xh200`` for the n GPUs of one model replica): the
+            roofline prior, the fallback. Or ``profile`` is a calibration profile file
+            (``sgl-ecospec calibrate --out FILE``: the served model timed on this device, the
+            fitted model used as is; then no ``hardware``). Read only with eps "auto", and
+            then required.
         share_buffer: one expert buffer for the whole batch, seeded with every request's
             bonus token (a batched verify pass loads the union); False: one per request.
         ep_cost: under expert parallelism (SGLang's ep_size > 1) price a candidate by the
@@ -77,6 +82,13 @@ class EcoSpecSettings:
         verify_moe_kernel: compute the routed experts of the target's MoE layers in verify
             forwards with EcoSpec's Triton kernel (:mod:`sglang_ecospec.verify_moe_hook`);
             needs a CUDA device, or the CPU development mode (Triton's interpreter).
+        gate: the utility gate (:mod:`sglang_ecospec.gate`): per batch-size bucket, decode
+            plainly (no draft model, one-token verify) while speculation's measured tokens
+            per second fall below plain decoding's; False: always speculate.
+        gate_probe_interval, gate_max_probe_interval, gate_probe_steps, gate_min_samples:
+            the gate's first and longest re-probing period, the probes' length, and the
+            measured steps of each mode before a fresh bucket's first decision
+            (:class:`sgl_ecospec.gate.GateOptions`).
     """
 
     policy: str = "ecospec"
@@ -94,6 +106,11 @@ class EcoSpecSettings:
     halve_every: int = 0
     log_interval: int = 50
     verify_moe_kernel: bool = False
+    gate: bool = True
+    gate_probe_interval: int = 64
+    gate_max_probe_interval: int = 1024
+    gate_probe_steps: int = 4
+    gate_min_samples: int = 4
 
     def __post_init__(self):
         if self.policy == "adaptive":
@@ -133,6 +150,19 @@ class EcoSpecSettings:
         for name in ("halve_every", "log_interval"):
             if getattr(self, name) < 0:
                 raise EcoSpecSettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
+        try:
+            self.gate_options()
+        except ValueError as exc:
+            raise EcoSpecSettingsError(str(exc).replace("gate ", "gate_", 1)) from None
+
+    def gate_options(self) -> GateOptions:
+        """The utility gate's checked options."""
+        return GateOptions(
+            probe_interval=self.gate_probe_interval,
+            max_probe_interval=self.gate_max_probe_interval,
+            probe_steps=self.gate_probe_steps,
+            min_samples=self.gate_min_samples,
+        )
 
     def selection_options(self) -> SelectionOptions:
         """The library's checked selection options. With eps "auto" their eps is a
@@ -153,10 +183,14 @@ class EcoSpecSettings:
                 )
             wanted = {
                 "profile": f"the cost model's profile of the served model (one of "
-                f"{', '.join(MODELS)})",
+                f"{', '.join(MODELS)}), or a calibration profile file from `sgl-ecospec "
+                "calibrate`",
                 "hardware": f"its GPUs (one of {', '.join(HARDWARE)}, or <n>x<name> for the n "
                 "GPUs of one replica)",
             }
+            if self.profile is not None and is_calibration_file(self.profile):
+                self._check_calibration_file()
+                return
             missing = [name for name in wanted if getattr(self, name) is None]
             if missing:
                 raise EcoSpecSettingsError(
@@ -167,13 +201,27 @@ class EcoSpecSettings:
                 get_model(self.profile)
                 get_hardware(self.hardware)
             except ValueError as exc:
-                raise EcoSpecSettingsError(f"eps={AUTO!r}: {exc}") from None
+                raise EcoSpecSettingsError(
+                    f"eps={AUTO!r}: {exc} (or profile may be a calibration profile file)"
+                ) from None
             return
         given = [name for name in ("profile", "hardware") if getattr(self, name) is not None]
         if given:
             raise EcoSpecSettingsError(
                 f"{' and '.join(given)} set but eps = {self.eps}: they are read only with "
                 f"eps={AUTO!r}"
+            )
+
+    def _check_calibration_file(self) -> None:
+        try:
+            CalibrationProfile.load(self.profile)
+        except CalibrationFileError as exc:
+            raise EcoSpecSettingsError(f"eps={AUTO!r}: profile: {exc}") from None
+        if self.hardware is not None:
+            raise EcoSpecSettingsError(
+                f"hardware = {self.hardware!r} set with the calibration profile "
+                f"{self.profile!r}: a calibrated profile carries the device it was timed on; "
+                "unset hardware, or name a model profile for the roofline prior"
             )
 
     @classmethod
@@ -216,6 +264,15 @@ class EcoSpecSettings:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def is_calibration_file(profile: str) -> bool:
+    """``profile`` names a calibration profile file rather than a model profile: not a
+    ``MODELS`` name, and an existing path or one that looks like a path (a folder separator or
+    ".json"), so that a mistyped path is reported as a missing file."""
+    if profile.strip().lower() in MODELS:
+        return False
+    return os.path.exists(profile) or os.sep in profile or profile.endswith(".json")
 
 
 def _read_file(path: str) -> dict:

@@ -8,8 +8,9 @@ the target's MoE layers through it, during target-verify forwards only:
 - on the target model class's ``forward`` (the class of the model SGLang loaded, found at
   start): marks the forward as a target verify when its ``forward_batch.forward_mode`` is
   ``TARGET_VERIFY`` (not draft, extend, plain decode or idle) for the duration of the call.
-  Graph runners call the same ``forward`` when they capture, so a captured verify graph gets
-  the same choice as an eager verify forward;
+  Graph runners call the same ``forward`` when they warm up and capture, so a captured
+  verify graph gets the same choice as an eager verify forward, and its replays run the
+  kernel;
 - on ``FusedMoE.run_moe_core`` (the quantisation method's ``apply``: dispatched tokens in,
   combine input out): inside a marked forward, for a target layer SGLang computes with its
   plain Triton runner or the CPU native path, our kernel computes the combine input from the
@@ -18,18 +19,28 @@ the target's MoE layers through it, during target-verify forwards only:
   scale into them). Everything else (shared experts, the dispatcher's combine, the tensor
   parallel all-reduce) stays SGLang's.
 
-Layers the kernel does not cover fall back to SGLang's path, with one warning per reason:
-quantised or wrapped experts, another runner (FlashInfer, DeepGEMM, AITER, ...), expert
-parallelism, LoRA, AMX-packed CPU weights, biases, activations other than plain SwiGLU,
-router weights applied on the input, dtypes other than fp16/bf16/fp32, bf16 on the CPU
-(Triton's interpreter multiplies bf16 bit patterns in ``tl.dot``), and the capture of a
-CUDA graph (the kernel's grouping is host-free, but its capture has not been run on a GPU
-yet; replayed verify graphs therefore run SGLang's MoE).
+CUDA graphs: the kernel's host side has no host sync and no data-dependent shape, so SGLang's
+graph runner captures it in target-verify graphs like any other op (static shapes; padded
+rows masked on the device). The one thing a capture must not do is create the layer's
+persistent bitmap buffer (``VerifyMoeRoute.loaded_experts``): SGLang's decode/verify graph
+backends (``full`` and ``breakable``, ``capture_one``) run two eager warm-up forwards of each
+graph before capturing it, and those create it; a layer met for the first time inside a
+capture falls back (with its reason logged) instead.
+Checked on the CPU (a traced host side replays on new routing, the hook computes under a
+simulated capture); the capture on a GPU (``scripts/gpu_graph_check.py``) has not run yet.
+
+Layers the kernel does not cover fall back to SGLang's path, with one warning per reason
+saying that SGLang's MoE is used: quantised or wrapped experts (fp8, MXFP4, ...), another
+runner (FlashInfer, DeepGEMM, AITER, ...), expert parallelism (DeepEP and other all-to-all
+dispatchers, or part of the experts on this rank), LoRA, AMX-packed CPU weights, biases,
+activations other than plain SwiGLU, router weights applied on the input, dtypes other than
+fp16/bf16/fp32, and bf16 on the CPU (Triton's interpreter multiplies bf16 bit patterns in
+``tl.dot``).
 
 ``routed_scaling_factor`` is applied where the replaced path applies it: SGLang's Triton
 runner multiplies the expert sum by it on a GPU; the CPU native path leaves it to the model.
-Padded rows of a graph batch (expert id -1, SGLang's mask) take the first token's first expert
-with weight 0, so they load no expert of their own and their output rows are 0.
+Padded rows of a graph batch (expert id -1, SGLang's mask) go to the kernel as they are: it
+skips them (no expert loaded, no bit set, output rows 0).
 
 Shape legend: T = tokens, H = hidden size, I = expert intermediate size (this rank's part),
 E = experts of the layer, K = experts per token.
@@ -41,6 +52,7 @@ import os
 import torch
 
 from sgl_ecospec.ops import verify_moe as kernel
+from sgl_ecospec.ops.bitmaps import num_words
 from sglang_ecospec.hooks import Hook, HookSlot
 from sglang_ecospec.settings import EcoSpecSettingsError
 
@@ -92,9 +104,15 @@ def unsupported_reason(layer, dispatch_output) -> str | None:
 
     method = layer.quant_method
     if type(method) is not UnquantizedFusedMoEMethod:
-        return f"quantised or wrapped experts ({type(method).__name__})"
+        return (
+            f"quantised or wrapped experts ({type(method).__name__}; the kernel reads "
+            "unquantised fp16/bf16/fp32 weights, not fp8, MXFP4 or other formats)"
+        )
     if not dispatch_output.format.is_standard():
-        return f"dispatcher output {dispatch_output.format.value} (expert parallelism)"
+        return (
+            f"dispatcher output {dispatch_output.format.value} (expert parallelism with an "
+            "all-to-all dispatcher)"
+        )
     if not TopKOutputChecker.format_is_standard(dispatch_output.topk_output):
         return f"top-k output {type(dispatch_output.topk_output).__name__}"
     config = layer.moe_runner_config
@@ -136,9 +154,19 @@ def unsupported_reason(layer, dispatch_output) -> str | None:
         or tuple(w2.shape) != (w13.shape[0], hidden.shape[1], w13.shape[1] // 2)
     ):
         return f"weight layout (w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)})"
-    if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
-        return "CUDA graph capture (not yet validated on a GPU)"
     return None
+
+
+def capturing(hidden: torch.Tensor) -> bool:
+    """Whether ``hidden``'s forward is being captured into a CUDA graph (``hidden``: the
+    layer's input; only a CUDA tensor can be)."""
+    return hidden.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+FIRST_MET_IN_CAPTURE = (
+    "CUDA graph capture of a layer no eager verify forward has run (its persistent bitmap "
+    "buffer is created in an eager forward, never during a capture)"
+)
 
 
 class VerifyMoeRoute:
@@ -149,8 +177,17 @@ class VerifyMoeRoute:
             interpreter pass "reference" to check the routing logic alone.
 
     Attributes:
-        kernel_layers: MoE layer calls the kernel computed (a Python counter, no sync).
+        kernel_layers: MoE layer calls the kernel computed (a Python counter, no sync;
+            counted when a call runs in Python: eager forwards, warm-ups and captures, not
+            graph replays).
         fallbacks: reason -> MoE layer calls of target-verify forwards left to SGLang.
+        loaded_experts: layer id -> int64 ``[W]`` (W = ceil(E / 64)): the routing bitmap of
+            the layer's last verify computed by the kernel, eager or replayed from a graph
+            (the experts its verify tokens were routed to, padded rows excluded): the
+            step's per-layer expert set that EcoSpec's buffer works with. Each buffer is
+            created by the layer's first eager kernel call and overwritten in place by every
+            later one (captured graphs write the same tensor); with two-batch overlap it
+            holds the last micro-batch's. Layers that fell back leave theirs unchanged.
     """
 
     def __init__(self, impl: str = "triton"):
@@ -159,12 +196,17 @@ class VerifyMoeRoute:
         self.impl = impl
         self.kernel_layers = 0
         self.fallbacks: dict[str, int] = {}
+        self.loaded_experts: dict[int, torch.Tensor] = {}
 
     def run(self, original, layer, dispatch_output):
         """``run_moe_core`` of a target layer inside a target-verify forward."""
-        if dispatch_output.hidden_states.shape[0] == 0:
+        hidden = dispatch_output.hidden_states
+        if hidden.shape[0] == 0:
             return original(layer, dispatch_output)
         reason = unsupported_reason(layer, dispatch_output)
+        bitmap = None if reason is not None else self.bitmap_buffer(layer, hidden)
+        if reason is None and bitmap is None:
+            reason = FIRST_MET_IN_CAPTURE
         if reason is not None:
             if reason not in self.fallbacks:
                 logger.warning(
@@ -180,13 +222,25 @@ class VerifyMoeRoute:
                 "verify_moe_kernel: first verify MoE layer computed by the kernel (layer %s, "
                 "%d tokens)",
                 layer.layer_id,
-                dispatch_output.hidden_states.shape[0],
+                hidden.shape[0],
             )
         self.kernel_layers += 1
-        return self.compute(layer, dispatch_output)
+        return self.compute(layer, dispatch_output, bitmap)
 
-    def compute(self, layer, dispatch_output):
-        """The combine input SGLang's runner would return, from the kernel.
+    def bitmap_buffer(self, layer, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``loaded_experts[layer.layer_id]``, created (zeros) at the layer's first call
+        outside a capture; None when first met inside a capture (``hidden``: the layer's
+        input, for its device)."""
+        buffer = self.loaded_experts.get(layer.layer_id)
+        if buffer is None and not capturing(hidden):
+            words = num_words(layer.w13_weight.shape[0])
+            buffer = torch.zeros(words, dtype=torch.int64, device=hidden.device)
+            self.loaded_experts[layer.layer_id] = buffer
+        return buffer
+
+    def compute(self, layer, dispatch_output, bitmap: torch.Tensor):
+        """The combine input SGLang's runner would return, from the kernel, which also
+        writes the layer's routing bitmap into ``bitmap`` (int64 ``[W]``, in place).
 
         ``dispatch_output``: hidden_states ``[T, H]`` (the layer's dtype), topk_output with
         float ``topk_weights [T, K]`` and int ``topk_ids [T, K]`` (-1 on padded rows).
@@ -196,11 +250,14 @@ class VerifyMoeRoute:
 
         hidden = dispatch_output.hidden_states
         topk_weights, topk_ids = dispatch_output.topk_output[:2]
-        padded = topk_ids < 0  # [T, K]
-        ids = torch.where(padded, topk_ids[:1, :1].clamp(min=0), topk_ids)
-        weights = topk_weights.masked_fill(padded, 0.0)
         out, _ = kernel.verify_moe(
-            hidden, layer.w13_weight, layer.w2_weight, ids, weights, impl=self.impl
+            hidden,
+            layer.w13_weight,
+            layer.w2_weight,
+            topk_ids,
+            topk_weights,
+            bitmap_out=bitmap,
+            impl=self.impl,
         )
         scale = layer.moe_runner_config.routed_scaling_factor
         if hidden.is_cuda and scale not in (None, 1.0):

@@ -4,11 +4,18 @@
   expert, roofline transition G, acceptance factor, speedup, target efficiency).
 - ``profiles``: model and hardware numbers.
 - ``performance``: the ten-parameter step-time model, its fit, and a roofline prior.
+- ``calibration``: the model fitted to forwards timed on the running device, and its
+  profile file (``sgl-ecospec calibrate``).
 - ``selection_cost``: EcoSpec's eps, layer weights and adaptive account from that model,
   and draft steps per batch-size bucket for SGLang.
 - ``report``: the ``sgl-ecospec costmodel`` command.
 """
 
+from sgl_ecospec.costmodel.calibration import (
+    CalibrationFileError,
+    CalibrationGrid,
+    CalibrationProfile,
+)
 from sgl_ecospec.costmodel.formulas import (
     acceptance_factor,
     expected_unique_experts,
@@ -45,6 +52,9 @@ from sgl_ecospec.costmodel.selection_cost import (
 )
 
 __all__ = [
+    "CalibrationFileError",
+    "CalibrationGrid",
+    "CalibrationProfile",
     "EPS_FLOOR",
     "FitResult",
     "HardwareProfile",

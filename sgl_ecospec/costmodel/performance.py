@@ -313,14 +313,20 @@ def _g_knee_form(tokens: np.ndarray, knee: float, log_s: float) -> np.ndarray:
 
 
 def fit_params(
-    points: Sequence[TimingPoint], model: ModelProfile, hardware: HardwareProfile
+    points: Sequence[TimingPoint],
+    model: ModelProfile,
+    hardware: HardwareProfile,
+    *,
+    load_bounds: bool = True,
 ) -> FitResult:
     """Fits the ten MoESD parameters to timing points (least squares, relative residuals).
 
     Bounds follow MoESD: bias in [T_dense, 5 T_dense] with T_dense = ``dense_load_time``;
     k2 in [T_expert, 5 T_expert] with T_expert = ``expert_load_time``; lam in [0.2, 1];
-    s in [1, 2]; all others >= 0. Draft or reject parameters with no point of their kind
-    are held at 0 (listed in ``FitResult.fixed``).
+    s in [1, 2]; all others >= 0. ``load_bounds=False`` keeps only bias, k2 >= 0: a real
+    software stack's step carries launch and host overheads that no load time bounds
+    (``calibration``). Draft or reject parameters with no point of their kind are held at 0
+    (listed in ``FitResult.fixed``).
 
     Args:
         points: at least one "ar" or "verify" point; about 20 spread over batch sizes and
@@ -361,6 +367,9 @@ def fit_params(
     upper = dict.fromkeys(PARAM_NAMES, np.inf)
     lower.update(bias=t_dense, k2=t_expert, lam=0.2, s=1.0)
     upper.update(bias=5 * t_dense, k2=5 * t_expert, lam=1.0, s=2.0)
+    if not load_bounds:
+        lower.update(bias=0.0, k2=0.0)
+        upper.update(bias=np.inf, k2=np.inf)
     fixed = tuple(
         name for kind, names in _DRAFT_REJECT.items() if not (kinds == kind).any() for name in names
     )

@@ -13,9 +13,10 @@ first-order view of a tensor/expert-parallel deployment; it ignores communicatio
 import dataclasses
 import re
 
-COMPUTE_DTYPES = ("bf16", "fp8")
+# fp32: a model run in float32, e.g. the testbed on a CPU (``calibration``).
+COMPUTE_DTYPES = ("bf16", "fp8", "fp32")
 # Bytes of one weight stored in the compute dtype: sets the ridge point in tokens.
-_DTYPE_BYTES = {"bf16": 2, "fp8": 1}
+_DTYPE_BYTES = {"bf16": 2, "fp8": 1, "fp32": 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +36,8 @@ class ModelProfile:
         dense_params: parameters read in full at every decode step outside the routed
             experts: attention, shared experts, dense FFN layers, routers, lm_head.
         bytes_per_dense_param: bytes per dense parameter in the checkpoint.
-        compute_dtype: "bf16" or "fp8": the tensor-core dtype the GEMMs run in on Hopper;
-            picks the peak FLOP/s and the ridge point.
+        compute_dtype: "bf16" or "fp8": the tensor-core dtype the GEMMs run in on Hopper
+            ("fp32" for a model run in float32); picks the peak FLOP/s and the ridge point.
         vocab_size: lm_head rows.
         notes: where the numbers come from, and what was simplified.
     """
@@ -97,23 +98,30 @@ class HardwareProfile:
         memory_bandwidth: HBM bandwidth, bytes/s.
         peak_bf16_flops: dense bf16 tensor-core peak, FLOP/s.
         peak_fp8_flops: dense fp8 tensor-core peak, FLOP/s.
+        peak_fp32_flops: dense fp32 peak, FLOP/s, or None where not needed (a measured
+            device profile has it when its model runs in float32).
     """
 
     name: str
     memory_bandwidth: float
     peak_bf16_flops: float
     peak_fp8_flops: float
+    peak_fp32_flops: float | None = None
 
     def __post_init__(self):
-        for field in ("memory_bandwidth", "peak_bf16_flops", "peak_fp8_flops"):
-            if not getattr(self, field) > 0:
-                raise ValueError(f"{self.name}: {field} must be > 0, got {getattr(self, field)}")
+        for field in ("memory_bandwidth", "peak_bf16_flops", "peak_fp8_flops", "peak_fp32_flops"):
+            value = getattr(self, field)
+            if not (value is None and field == "peak_fp32_flops") and not value > 0:
+                raise ValueError(f"{self.name}: {field} must be > 0, got {value}")
 
     def peak_flops(self, dtype: str) -> float:
-        """Peak FLOP/s for ``dtype`` ("bf16" or "fp8")."""
+        """Peak FLOP/s for ``dtype`` ("bf16", "fp8" or "fp32")."""
         if dtype not in COMPUTE_DTYPES:
             raise ValueError(f"dtype must be one of {COMPUTE_DTYPES}, got {dtype!r}")
-        return self.peak_bf16_flops if dtype == "bf16" else self.peak_fp8_flops
+        if dtype == "fp32" and self.peak_fp32_flops is None:
+            raise ValueError(f"{self.name}: no fp32 peak FLOP/s in this hardware profile")
+        peaks = {"bf16": self.peak_bf16_flops, "fp8": self.peak_fp8_flops}
+        return peaks.get(dtype, self.peak_fp32_flops)
 
 
 def _gqa_attention_params(hidden: int, q_dim: int, kv_dim: int) -> int:
@@ -240,6 +248,7 @@ def get_hardware(name: str) -> HardwareProfile:
         memory_bandwidth=count * base.memory_bandwidth,
         peak_bf16_flops=count * base.peak_bf16_flops,
         peak_fp8_flops=count * base.peak_fp8_flops,
+        peak_fp32_flops=None if base.peak_fp32_flops is None else count * base.peak_fp32_flops,
     )
 
 

@@ -15,6 +15,7 @@ def add_command(subparsers, name: str, run, help: str, description: str):
 
 def build_parser() -> argparse.ArgumentParser:
     # Imported here: the command modules import add_command from this one.
+    from sgl_ecospec.lab import calibrate
     from sgl_ecospec.lab import costmodel_report as report
     from sgl_ecospec.lab.bench import cli as bench_cli
     from sgl_ecospec.lab.bench import sweep, train_head
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_parser(commands)
     train_head.add_parser(commands)
     testbed_build.add_parser(commands)
+    calibrate.add_parser(commands)
     return parser
 
 

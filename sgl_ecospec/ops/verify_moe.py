@@ -4,8 +4,19 @@ A verify batch has few tokens (B x verified nodes) spread over many experts, so 
 is memory-bound: its time is the bytes of the experts it touches. The Triton path groups
 the (token, expert) pairs by expert and gives each active expert one column of programs
 that read its weight tiles once for all of its tokens; inactive experts' programs exit at
-once. As a by-product it sets the step's routing bitmap (which experts were loaded), the
-quantity EcoSpec's buffer and predictor work with.
+once. As a by-product it writes the step's routing bitmap (which experts were loaded), the
+quantity EcoSpec's buffer and predictor work with, into a new tensor or a persistent one
+(``bitmap_out``).
+
+Padded rows (expert id -1, SGLang's mask for the padding of a graph batch) load no expert,
+set no bit and give zero output rows; their hidden rows are never read.
+
+CUDA graphs: the host side makes no host sync and no data-dependent shape (the grouping is
+argsort, scatter-add and cumsum; the launch grids depend on shapes only; the padding is a
+mask), so a call can be captured with static shapes and replayed on new inputs written in
+place, the bitmap going to ``bitmap_out``. Proved on the CPU (``test/ops/test_verify_moe.py``:
+a ``make_fx`` trace of the host side replays on new routing); the capture itself is checked
+by ``scripts/gpu_graph_check.py``, which has not run on a GPU yet.
 
 Shape legend: T = tokens, H = hidden size, I = expert intermediate size, E = experts,
 K = experts per token, P = T * K (token, expert) pairs, W = ceil(E / 64).
@@ -35,6 +46,7 @@ def verify_moe(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     *,
+    bitmap_out: torch.Tensor | None = None,
     impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SwiGLU MoE output of a verify batch and the experts it loaded.
@@ -44,23 +56,30 @@ def verify_moe(
         w13: same dtype, ``[E, 2I, H]``: gate rows ``[:I]`` then up rows ``[I:]`` (the
             layout of SGLang's fused MoE).
         w2: same dtype, ``[E, H, I]``: down projection.
-        topk_ids: int32/int64 ``[T, K]``: experts per token, in [0, E).
-        topk_weights: float ``[T, K]``: routing weights.
+        topk_ids: int32/int64 ``[T, K]``: experts per token, in [0, E), or -1 for a padded
+            pair (not checked: no host sync).
+        topk_weights: float ``[T, K]``: routing weights (those of padded pairs are unused).
+        bitmap_out: optional int64 ``[W]``, contiguous, on hidden's device: a persistent
+            buffer the call overwrites with the step bitmap (every word written) and returns,
+            so that a captured call leaves it where later readers find it.
         impl: "auto" (Triton for CUDA tensors or under TRITON_INTERPRET=1, else the
             reference), "triton" or "reference".
 
     Returns:
         (output ``[T, H]`` in hidden's dtype, step bitmap int64 ``[W]``: experts with at
-        least one token).
+        least one (unpadded) token; ``bitmap_out`` itself when given).
     """
-    _check(hidden, w13, w2, topk_ids, topk_weights)
+    _check(hidden, w13, w2, topk_ids, topk_weights, bitmap_out)
     if impl not in ("auto", "triton", "reference"):
         raise ValueError(f"impl must be auto, triton or reference, got {impl!r}")
     if impl == "reference" or (impl == "auto" and not _triton_runs(hidden)):
-        return verify_moe_reference(hidden, w13, w2, topk_ids, topk_weights)
+        out, step = verify_moe_reference(hidden, w13, w2, topk_ids, topk_weights)
+        if bitmap_out is None:
+            return out, step
+        return out, bitmap_out.copy_(step)
     if triton is None:
         raise RuntimeError("impl='triton' needs the triton package (pip install triton)")
-    return _verify_moe_triton(hidden, w13, w2, topk_ids, topk_weights)
+    return _verify_moe_triton(hidden, w13, w2, topk_ids, topk_weights, bitmap_out)
 
 
 def _triton_runs(hidden: torch.Tensor) -> bool:
@@ -68,7 +87,7 @@ def _triton_runs(hidden: torch.Tensor) -> bool:
     return triton is not None and (hidden.is_cuda or interpreted)
 
 
-def _check(hidden, w13, w2, topk_ids, topk_weights):
+def _check(hidden, w13, w2, topk_ids, topk_weights, bitmap_out):
     check_tensor("hidden", hidden, ndim=2, dtypes=_FLOATS)
     check_tensor("w13", w13, ndim=3, dtypes=(hidden.dtype,))
     experts, two_inter, hidden_size = w13.shape
@@ -83,39 +102,64 @@ def _check(hidden, w13, w2, topk_ids, topk_weights):
         raise ValueError(f"topk_ids must be [T, K] with T = {hidden.shape[0]}")
     check_tensor("topk_weights", topk_weights, ndim=2, dtypes=_FLOATS)
     check_shape("topk_weights", topk_weights, tuple(topk_ids.shape), "[T, K] like topk_ids")
+    if bitmap_out is not None:
+        check_tensor("bitmap_out", bitmap_out, ndim=1, dtypes=(torch.int64,))
+        check_shape("bitmap_out", bitmap_out, (num_words(experts),), "[W], W = ceil(E / 64)")
+        if bitmap_out.device != hidden.device or not bitmap_out.is_contiguous():
+            raise ValueError(
+                f"bitmap_out must be a contiguous tensor on {hidden.device}, got one on "
+                f"{bitmap_out.device} (contiguous: {bitmap_out.is_contiguous()})"
+            )
 
 
 def verify_moe_reference(hidden, w13, w2, topk_ids, topk_weights):
-    """Plain PyTorch version of :func:`verify_moe`: a loop over the active experts."""
+    """Plain PyTorch version of :func:`verify_moe`: a loop over the active experts (host
+    syncs: not for CUDA graphs)."""
     experts, two_inter, _ = w13.shape
     inter = two_inter // 2
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     ids = topk_ids.long()
-    for e in torch.unique(ids).tolist():
+    for e in torch.unique(ids[ids >= 0]).tolist():
         token, slot = (ids == e).nonzero(as_tuple=True)
         x = hidden[token].float()
         gate_up = x @ w13[e].float().t()
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         y = act @ w2[e].float().t()
         out.index_add_(0, token, y * topk_weights[token, slot, None].float())
-    step = topk_to_bitmap(ids.reshape(1, -1), experts, validate=False)[0]
+    step = topk_to_bitmap(ids[ids >= 0].reshape(1, -1), experts, validate=False, impl="reference")[
+        0
+    ]
     return out.to(hidden.dtype), step
 
 
 def _group_by_expert(topk_ids: torch.Tensor, experts: int):
-    """(pairs sorted by expert int64 ``[P]``, start of each expert's run int64 ``[E + 1]``),
-    with tensor ops only (no host sync)."""
+    """(pairs sorted by expert int64 ``[P]``, padded pairs (id < 0) last; start of each
+    expert's run int64 ``[E + 1]``, the last entry the number of unpadded pairs), with
+    tensor ops only (no host sync, shapes from the inputs' shapes alone)."""
     flat = topk_ids.reshape(-1).long()
-    order = torch.argsort(flat, stable=True)
+    bucket = torch.where(flat < 0, experts, flat)  # padded pairs: one bucket after the experts
+    order = torch.argsort(bucket, stable=True)
     # bincount would read its maximum back to the host on CUDA (no graph capture).
-    counts = torch.zeros(experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(experts + 1, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
     starts = torch.zeros(experts + 1, dtype=torch.int64, device=flat.device)
-    starts[1:] = torch.cumsum(counts, 0)
+    starts[1:] = torch.cumsum(counts[:experts], 0)
     return order, starts
 
 
-def _verify_moe_triton(hidden, w13, w2, topk_ids, topk_weights, block_m=16, block_n=64, block_k=64):
+def _sum_pairs(per_pair: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """float32 ``[T, H]``: each token's K weighted expert rows (``per_pair`` float32
+    ``[T * K, H]``, rows of padded pairs never written) summed, padded pairs as 0."""
+    tokens, top_k = topk_ids.shape
+    rows = per_pair.view(tokens, top_k, -1)
+    rows.masked_fill_((topk_ids < 0).unsqueeze(-1), 0.0)
+    # Summing each token's K rows here, not with atomics, keeps the result deterministic.
+    return rows.sum(1)
+
+
+def _verify_moe_triton(
+    hidden, w13, w2, topk_ids, topk_weights, bitmap_out=None, block_m=16, block_n=64, block_k=64
+):
     tokens, hidden_size = hidden.shape
     experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -125,7 +169,9 @@ def _verify_moe_triton(hidden, w13, w2, topk_ids, topk_weights, block_m=16, bloc
     weights = topk_weights.reshape(-1).float().contiguous()
     act = torch.empty((tokens * top_k, inter), dtype=torch.float32, device=hidden.device)
     per_pair = torch.empty((tokens * top_k, hidden_size), dtype=torch.float32, device=hidden.device)
-    step = torch.zeros(num_words(experts), dtype=torch.int64, device=hidden.device)
+    step = bitmap_out
+    if step is None:
+        step = torch.empty(num_words(experts), dtype=torch.int64, device=hidden.device)
     assert hidden.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
     _expert_gate_up_kernel[(experts, triton.cdiv(inter, block_n))](
         hidden,
@@ -162,9 +208,7 @@ def _verify_moe_triton(hidden, w13, w2, topk_ids, topk_weights, block_m=16, bloc
         BLOCK_N=block_n,
         BLOCK_K=block_k,
     )
-    # Summing each token's K rows here, not with atomics, keeps the result deterministic.
-    out = per_pair.view(tokens, top_k, hidden_size).sum(1)
-    return out.to(hidden.dtype), step
+    return _sum_pairs(per_pair, topk_ids).to(hidden.dtype), step
 
 
 if triton is not None:
@@ -192,15 +236,22 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
-        """Program (e, n): act[p, n-tile] = silu(x_p . gate) * (x_p . up) for expert e's pairs."""
+        """Program (e, n): act[p, n-tile] = silu(x_p . gate) * (x_p . up) for expert e's pairs;
+        program (64 w, 0) also writes word w of the step bitmap."""
         e = tl.program_id(0)
         pid_n = tl.program_id(1)
+        if (pid_n == 0) & (e % 64 == 0):
+            # The whole word from the run starts: a plain store, so the bitmap needs no
+            # zeroing first and no atomics (distinct powers of two sum to their OR).
+            offs_e = e + tl.arange(0, 64)
+            mask_e = offs_e < tl.num_programs(0)
+            lo = tl.load(starts_ptr + offs_e, mask=mask_e, other=0)
+            hi = tl.load(starts_ptr + offs_e + 1, mask=mask_e, other=0)
+            bits = tl.full((64,), 1, tl.int64) << tl.arange(0, 64).to(tl.int64)
+            tl.store(step_ptr + e // 64, tl.sum(tl.where(hi > lo, bits, 0), axis=0))
         start = tl.load(starts_ptr + e)
         end = tl.load(starts_ptr + e + 1)
         if end > start:
-            if pid_n == 0:
-                bit = tl.full((), 1, tl.int64) << (e % 64).to(tl.int64)
-                tl.atomic_or(step_ptr + e // 64, bit)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             mask_n = offs_n < inter
             for m0 in range(start, end, BLOCK_M):

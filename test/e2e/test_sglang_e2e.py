@@ -15,7 +15,10 @@ predicting experts with a head trained by ``sgl-ecospec train-head``. Asserted:
    ECOSPEC-confidence);
 4. /server_info names ECOSPEC; the ECOSPEC server runs with --enable-metrics, and its decode
    log line and /metrics carry EcoSpec's statistics with sane values;
-5. with the trained head: lossless, drafts accepted, and its recall well above chance.
+5. with the trained head: lossless, drafts accepted, and its recall well above chance;
+6. with the utility gate (on by default; off in the runs above): lossless, and on this CPU,
+   where speculation is slower than plain decoding, the gate decodes plainly after its first
+   measurements, says so in the log and on /metrics.
 
 Servers are always shut down, even on failure. About 7 minutes on 2 cores. Select with
 ``-m e2e``, skip with ``-m "not e2e"``.
@@ -46,6 +49,8 @@ PROMPTS = [
     'to each other than\n    given threshold.\n    """\n',
 ]
 MAX_NEW_TOKENS = 32
+# The runs that test speculation itself: the utility gate would turn it off on this CPU.
+NO_GATE = {"SGLANG_ECOSPEC_GATE": "0"}
 COMMON_ARGS = [
     "--dtype",
     "float32",
@@ -183,7 +188,7 @@ def eagle3_run(models, prompts, plain_outputs, logs):
         spec_args(models, "ECOSPEC"),
         prompts,
         logs / "ecospec-confidence.log",
-        env={"SGLANG_ECOSPEC_POLICY": "confidence", "SGLANG_ECOSPEC_LOG_INTERVAL": "1"},
+        env={"SGLANG_ECOSPEC_POLICY": "confidence", "SGLANG_ECOSPEC_LOG_INTERVAL": "1", **NO_GATE},
     )
     confidence_accept = assert_lossless(outputs, plain_outputs)
     return eagle3_accept, confidence_accept, ecospec_log_summary(text)
@@ -201,7 +206,7 @@ def test_ecospec_is_lossless_accepts_drafts_and_loads_fewer_experts(
     target, _ = models
     args = [*spec_args(models, "ECOSPEC"), "--enable-metrics", "--decode-log-interval", "4"]
     outputs, info, metrics_text, text = serve(
-        args, prompts, logs / "ecospec.log", env={"SGLANG_ECOSPEC_LOG_INTERVAL": "1"}
+        args, prompts, logs / "ecospec.log", env={"SGLANG_ECOSPEC_LOG_INTERVAL": "1", **NO_GATE}
     )
     assert info["speculative_algorithm"] == "ECOSPEC"
     accept_lengths = assert_lossless(outputs, plain_outputs)
@@ -234,6 +239,7 @@ def test_ecospec_serves_a_trained_head(models, prompts, plain_outputs, head_file
         "SGLANG_ECOSPEC_PREDICTOR": "head",
         "SGLANG_ECOSPEC_PREDICTOR_FILE": str(path),
         "SGLANG_ECOSPEC_LOG_INTERVAL": "1",
+        **NO_GATE,
     }
     outputs, _, _, text = serve(spec_args(models, "ECOSPEC"), prompts, logs / "head.log", env=env)
     accept_lengths = assert_lossless(outputs, plain_outputs)
@@ -244,3 +250,15 @@ def test_ecospec_serves_a_trained_head(models, prompts, plain_outputs, head_file
     # did on its held-out training prompts.
     assert stats["verify_steps"] > 0 and stats["predictor_recall"] > 0.3, stats
     assert report["val_recall"] > 0.3, report["val_recall"]
+
+
+def test_utility_gate_decodes_plainly_where_speculation_loses(models, prompts, plain_outputs, logs):
+    args = [*spec_args(models, "ECOSPEC"), "--enable-metrics", "--decode-log-interval", "4"]
+    env = {"SGLANG_ECOSPEC_GATE_MIN_SAMPLES": "3", "SGLANG_ECOSPEC_GATE_PROBE_INTERVAL": "16"}
+    outputs, _, metrics_text, text = serve(args, prompts, logs / "gate.log", env=env)
+    assert_lossless(outputs, plain_outputs)
+    assert "EcoSpec gate on" in text
+    assert re.search(r"EcoSpec gate: batch sizes 1 decode plainly: .*utility 0\.\d\d", text)
+    assert ("steps 3 -> 0" in text) and ("steps 0 -> 3" in text)  # probes re-enter speculation
+    samples = prometheus_values(metrics_text, "sglang:ecospec_gate_open")
+    assert samples and all('batch_sizes="1"' in labels and v == 0.0 for labels, v in samples)

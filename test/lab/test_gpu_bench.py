@@ -72,7 +72,31 @@ def test_graph_check_logic_on_cpu(graphs, tmp_path):
     # inputs written in place, eager and reference comparisons), not graph capture.
     assert graphs["main"](["--device", "cpu", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "graph_check.json").read_text())
-    assert len(results) == 7 and all(r["ok"] and r["inputs_changed_output"] for r in results)
+    assert len(results) == 8 and all(r["ok"] and r["inputs_changed_output"] for r in results)
+    moe = results[-1]
+    assert moe["check"] == "verify_moe float32 T=6 E=70 K=4"
+    assert moe["rel_error"] <= moe["tolerance"] == 1e-4
+
+
+def test_verify_moe_graph_check_fails_a_wrong_kernel(graphs, monkeypatch):
+    # The check can fail: a kernel 1% off, or one that lets padded rows through.
+    check = graphs["check_verify_moe"]
+    right = check.__globals__["verify_moe"]
+
+    def scaled(*args, **kwargs):
+        out, bitmap = right(*args, **kwargs)
+        return out * 1.01, bitmap
+
+    def unmasked(x, w13, w2, ids, weights, **kwargs):
+        out, bitmap = right(x, w13, w2, ids, weights, **kwargs)
+        return out + (ids[:, :1] < 0).float(), bitmap  # padded rows not zero
+
+    cpu = torch.device("cpu")
+    assert check(cpu, True, 3)[0]["ok"]
+    for wrong in (scaled, unmasked):
+        monkeypatch.setitem(check.__globals__, "verify_moe", wrong)
+        assert not check(cpu, True, 3)[0]["ok"], wrong.__name__
+    assert graphs["verify_moe_tolerance"](torch.bfloat16) == 2e-2
 
 
 def test_graph_check_flags_mismatches_and_stale_replays(graphs):
@@ -112,9 +136,12 @@ def test_gpu_bench_logic_on_cpu(tmp_path):
     assert all(r["ok"] and r["inputs_changed_output"] for r in data["graphs"])
     rows = data["verify_moe"]["rows"]
     assert rows and all(r["bitmap_ok"] and r["rel_error"] < 1e-4 for r in rows)
+    assert data["verify_moe"]["tolerance"] == 1e-4 and data["verify_moe"]["passed"]
+    assert data["graphs"][-1]["check"].startswith("verify_moe float32")
     assert len(data["fit"]["residuals"]) == len(rows)
     table = (tmp_path / "h200.md").read_text()
     assert "## Verify MoE kernel" in table and "relative residual rms" in table
+    assert "tolerance 1e-04: passed" in table
     assert "Target (issue 14)" in table and "not measured" in table
     assert "## CUDA graphs" in table
 

@@ -1,26 +1,37 @@
-"""The Triton verify-MoE kernel against its PyTorch reference. Without a GPU the kernel
-runs under Triton's interpreter, which must be switched on before triton is imported, so
-those checks run in a fresh interpreter."""
-
-import subprocess
-import sys
-import textwrap
+"""The Triton verify-MoE kernel against its PyTorch reference, padded rows and the
+persistent bitmap buffer included, and the graph safety of its host side. Without a GPU the
+kernel runs under Triton's interpreter, which must be switched on before triton is imported,
+so those checks run in a fresh interpreter (``compare_with_triton``)."""
 
 import pytest
 import torch
+from _util import compared_under_interpreter, host_syncs
+from torch.fx.experimental.proxy_tensor import make_fx
 
-from sgl_ecospec.ops.verify_moe import verify_moe, verify_moe_reference
+from sgl_ecospec.ops.bitmaps import num_words
+from sgl_ecospec.ops.verify_moe import (
+    _group_by_expert,
+    _sum_pairs,
+    verify_moe,
+    verify_moe_reference,
+)
 
 CASES = [
-    # tokens, hidden, inter, experts, top_k, dtype, shared (all tokens on the same experts)
-    (1, 64, 32, 64, 4, "float32", False),
-    (5, 64, 32, 70, 4, "float32", False),  # E not a multiple of 64
-    (20, 32, 16, 130, 8, "float32", True),  # 20 tokens per expert > BLOCK_M = 16
-    (3, 48, 40, 16, 1, "float16", False),  # sizes that are not multiples of the blocks
+    # tokens, hidden, inter, experts, top_k, dtype, shared (all tokens on the same experts),
+    # padded rows at the end (expert id -1, as SGLang pads a graph batch)
+    (1, 64, 32, 64, 4, "float32", False, 0),
+    (5, 64, 32, 70, 4, "float32", False, 0),  # E not a multiple of 64
+    (20, 32, 16, 130, 8, "float32", True, 0),  # 20 tokens per expert > BLOCK_M = 16
+    (3, 48, 40, 16, 1, "float16", False, 0),  # sizes that are not multiples of the blocks
+    (6, 64, 32, 70, 4, "float32", False, 2),  # a graph batch with 2 padded rows
+    (4, 32, 16, 130, 2, "float16", True, 1),
+    (2, 32, 16, 16, 2, "float32", False, 2),  # only padding: nothing loaded
 ]
 
 
-def make_inputs(tokens, hidden, inter, experts, top_k, dtype, shared, seed=0):
+def make_inputs(tokens, hidden, inter, experts, top_k, dtype, shared, padded, seed=0):
+    """(hidden, w13, w2, topk_ids, topk_weights). Padded rows: ids -1, NaN hidden rows and
+    weights (never read), and one more pair padded in the last real row."""
     gen = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, dtype)
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
@@ -31,64 +42,151 @@ def make_inputs(tokens, hidden, inter, experts, top_k, dtype, shared, seed=0):
     else:
         ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=gen)
+    if padded:
+        real = tokens - padded
+        ids[real:], x[real:], weights[real:] = -1, float("nan"), float("nan")
+        if real and top_k > 1:
+            ids[real - 1, -1] = -1
     return x, w13, w2, ids, weights
 
 
 def test_reference_matches_dense_computation():
-    x, w13, w2, ids, weights = make_inputs(4, 16, 8, 10, 3, "float32", False)
+    x, w13, w2, ids, weights = make_inputs(4, 16, 8, 10, 3, "float32", False, 1)
     out, step = verify_moe_reference(x, w13, w2, ids, weights)
     expected = torch.zeros_like(x)
     for t in range(4):
         for k in range(3):
             e = int(ids[t, k])
+            if e < 0:
+                continue
             gate, up = (w13[e] @ x[t]).split(8)
             expected[t] += weights[t, k] * (w2[e] @ (torch.nn.functional.silu(gate) * up))
     torch.testing.assert_close(out, expected)
-    assert sorted({int(i) for i in ids.flatten()}) == [
+    assert sorted({int(i) for i in ids.flatten() if i >= 0}) == [
         e for e in range(10) if (int(step[0]) >> e) & 1
     ]
 
 
+def test_reference_writes_bitmap_out():
+    x, w13, w2, ids, weights = make_inputs(5, 16, 8, 70, 3, "float32", False, 2)
+    buffer = torch.full((2,), -1, dtype=torch.int64)  # stale bits: every word is overwritten
+    out, step = verify_moe(x, w13, w2, ids, weights, bitmap_out=buffer, impl="reference")
+    ref, ref_step = verify_moe_reference(x, w13, w2, ids, weights)
+    assert step is buffer and torch.equal(buffer, ref_step) and torch.equal(out, ref)
+    assert (out[3:] == 0).all()
+
+
 def test_bad_shapes_are_rejected():
-    x, w13, w2, ids, weights = make_inputs(2, 16, 8, 4, 2, "float32", False)
+    x, w13, w2, ids, weights = make_inputs(2, 16, 8, 4, 2, "float32", False, 0)
     with pytest.raises(ValueError, match=r"w2 must have shape \(4, 16, 8\)"):
         verify_moe(x, w13, w2[:, :, :4], ids, weights)
     with pytest.raises(ValueError, match="topk_weights must have shape"):
         verify_moe(x, w13, w2, ids, weights[:, :1])
     with pytest.raises(TypeError, match="w13 must have dtype"):
         verify_moe(x, w13.half(), w2, ids, weights)
+    with pytest.raises(ValueError, match=r"bitmap_out must have shape \(1,\)"):
+        verify_moe(x, w13, w2, ids, weights, bitmap_out=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(TypeError, match="bitmap_out must have dtype"):
+        verify_moe(x, w13, w2, ids, weights, bitmap_out=torch.zeros(1, dtype=torch.int32))
+    x, w13, w2, ids, weights = make_inputs(2, 16, 8, 70, 2, "float32", False, 0)
+    strided = torch.zeros(4, dtype=torch.int64)[::2]  # [W = 2], every second word
+    with pytest.raises(ValueError, match="bitmap_out must be a contiguous tensor"):
+        verify_moe(x, w13, w2, ids, weights, bitmap_out=strided)
+
+
+# --- the host side under tracing (the CPU stand-in for CUDA-graph capture) -------------------
+
+E, T, K, H = 70, 6, 4, 8
+
+
+def host_side(topk_ids, per_pair):
+    """What ``_verify_moe_triton`` computes around its two launches: the grouping (whose run
+    starts the kernel turns into the bitmap) and the sum over each token's pairs with the
+    padded ones masked."""
+    pairs, starts = _group_by_expert(topk_ids, E)
+    return pairs, starts, _sum_pairs(per_pair.clone(), topk_ids)
+
+
+def routing(seed: int, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids int64 ``[T, K]`` with ``padded`` rows of -1 at the end (and one padded pair in
+    the last real row), and per-pair rows float32 ``[T * K, H]`` (NaN where padded: those
+    rows are never written by the kernel)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    if padded:
+        ids[T - padded :] = -1
+        ids[T - padded - 1, 0] = -1
+    per_pair = torch.randn(T * K, H, generator=gen)
+    per_pair[ids.reshape(-1) < 0] = float("nan")
+    return ids, per_pair
+
+
+def check_host_side(ids, per_pair, pairs, starts, summed):
+    """The grouping and sum mean what the kernels rely on."""
+    flat = ids.reshape(-1)
+    for e in range(E):
+        run = pairs[starts[e] : starts[e + 1]]
+        assert torch.equal(run, (flat == e).nonzero().flatten()), e  # expert e's pairs, in order
+    assert torch.equal(pairs[starts[E] :], (flat < 0).nonzero().flatten())  # padding last
+    expected = torch.where(ids.unsqueeze(-1) < 0, 0.0, per_pair.view(T, K, H)).sum(1)
+    torch.testing.assert_close(summed, expected)
+    # The bitmap the kernel writes from the run starts: experts with a run, padding none.
+    active = (starts[1:] > starts[:-1]).nonzero().flatten().tolist()
+    assert active == sorted({int(e) for e in flat if e >= 0})
+
+
+def test_host_side_traced_once_replays_on_new_routing():
+    # make_fx records the aten ops once; replaying the graph runs no Python, so a value read
+    # on the host at trace time (a count, a padding length) would stay frozen, as in a CUDA
+    # graph. The trace starts without padding and replays on routings with padded rows.
+    ids, per_pair = routing(seed=0, padded=0)
+    graph = make_fx(host_side)(ids, per_pair)
+    first = graph(ids, per_pair)
+    for seed, padded in [(1, 2), (2, 0), (3, 5)]:
+        new_ids, new_rows = routing(seed, padded)
+        ids.copy_(new_ids)
+        per_pair.copy_(new_rows)
+        replayed, eager = graph(ids, per_pair), host_side(ids, per_pair)
+        for got, want in zip(replayed, eager, strict=True):
+            assert torch.equal(got, want)
+        check_host_side(ids, per_pair, *replayed)
+        assert not torch.equal(replayed[1], first[1])  # the starts followed the new routing
+    assert host_syncs(host_side, ids, per_pair) == []
+
+
+# --- the kernel under Triton's interpreter ---------------------------------------------------
+
+
+def compare_with_triton() -> int:
+    """Runs in a fresh interpreter with TRITON_INTERPRET=1: every case through the Triton
+    path, with a new bitmap and with a stale persistent one, against the reference."""
+    for case in CASES:
+        inputs = make_inputs(*case)
+        ref, ref_step = verify_moe_reference(*inputs)
+        out, step = verify_moe(*inputs, impl="triton")
+        tol = 1e-5 if case[5] == "float32" else 2e-2
+        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+        assert torch.equal(step, ref_step), (case, step, ref_step)
+        buffer = torch.full((num_words(case[3]),), -1, dtype=torch.int64)  # stale bits
+        again, written = verify_moe(*inputs, bitmap_out=buffer, impl="triton")
+        assert written is buffer and torch.equal(buffer, ref_step), (case, buffer, ref_step)
+        assert torch.equal(again, out)
+        padded = case[-1]
+        if padded:
+            assert (out[-padded:] == 0).all() and out.isfinite().all(), case
+    return len(CASES)
 
 
 def test_triton_kernel_matches_reference_under_interpreter():
-    script = textwrap.dedent(
-        f"""
-        import os
-        os.environ["TRITON_INTERPRET"] = "1"
-        import sys
-        sys.path.insert(0, {str(__file__.rsplit("/", 1)[0])!r})
-        import torch
-        from test_verify_moe import CASES, make_inputs
-        from sgl_ecospec.ops.verify_moe import verify_moe, verify_moe_reference
+    assert compared_under_interpreter(__file__) == len(CASES)
 
-        for case in CASES:
-            inputs = make_inputs(*case)
-            out, step = verify_moe(*inputs, impl="triton")
-            ref, ref_step = verify_moe_reference(*inputs)
-            tol = 1e-5 if case[5] == "float32" else 2e-2
-            torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
-            assert torch.equal(step, ref_step), (case, step, ref_step)
-        print("ok", len(CASES))
-        """
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() == ["ok", str(len(CASES))]
+
+# On a GPU every case also in bf16 (the interpreter cannot multiply bf16).
+GPU_CASES = CASES + [(*case[:5], "bfloat16", *case[6:]) for case in CASES]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", GPU_CASES)
 def test_triton_kernel_on_gpu_matches_reference(case):
     inputs = [t.cuda() for t in make_inputs(*case)]
     out, step = verify_moe(*inputs, impl="triton")
@@ -96,3 +194,6 @@ def test_triton_kernel_on_gpu_matches_reference(case):
     tol = 1e-3 if case[5] == "float32" else 2e-2
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
     assert torch.equal(step, ref_step)
+    buffer = torch.full_like(step, -1)
+    assert verify_moe(*inputs, bitmap_out=buffer, impl="triton")[1] is buffer
+    assert torch.equal(buffer, ref_step)

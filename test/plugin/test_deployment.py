@@ -127,3 +127,11 @@ def test_worker_checks_before_sglang_builds_it(monkeypatch):
     monkeypatch.setattr(deployment, "check_startup", lambda server_args: None)
     worker("args", 0, 0, None)
     assert built == [("args", 0, 0, None)]
+
+
+def test_the_cpu_keeps_the_overlap_scheduler_unless_told_otherwise(models):
+    # SGLang turns it off for speculative decoding on the CPU; ECOSPEC keeps it (its plain
+    # decoding steps then cost what the plain server's do), and the flag still wins.
+    assert resolved(server_args(models, *TREE)).disable_overlap_schedule is False
+    flag = "--disable-overlap-schedule"
+    assert resolved(server_args(models, *TREE, flag)).disable_overlap_schedule is True

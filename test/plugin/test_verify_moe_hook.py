@@ -82,6 +82,56 @@ def test_model_forward_hook_marks_only_target_verify_forwards():
     assert verify_moe_hook._in_target_verify is False
 
 
+def test_capture_test_asks_cuda_only_for_cuda_tensors(monkeypatch):
+    def stream_capturing():
+        calls.append(1)
+        return state
+
+    calls, state = [], True
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", stream_capturing)
+    assert verify_moe_hook.capturing(SimpleNamespace(is_cuda=True)) is True
+    state = False
+    assert verify_moe_hook.capturing(SimpleNamespace(is_cuda=True)) is False
+    assert verify_moe_hook.capturing(torch.zeros(1)) is False and len(calls) == 2
+
+
+def test_quantised_and_all_to_all_layers_log_once_that_sglangs_moe_is_used(caplog):
+    # fp8 and MXFP4 experts and an EP all-to-all dispatcher (DeepEP) run SGLang's MoE; the
+    # log says so once per reason, however many layers and steps meet it.
+    from sglang.srt.layers.moe.token_dispatcher.base import DispatchOutputFormat
+    from sglang.srt.layers.quantization.fp8 import Fp8MoEMethod
+    from sglang.srt.layers.quantization.mxfp4 import Mxfp4MoEMethod
+    from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
+
+    def layer(method_cls, layer_id):  # the method's class is all the check reads first
+        return SimpleNamespace(quant_method=object.__new__(method_cls), layer_id=layer_id)
+
+    def dispatch(fmt):
+        return SimpleNamespace(hidden_states=torch.zeros(3, 8), format=fmt, topk_output=None)
+
+    standard, deepep = DispatchOutputFormat.STANDARD, DispatchOutputFormat.DEEPEP_LL
+    cases = [
+        (layer(Fp8MoEMethod, 1), dispatch(standard), ["Fp8MoEMethod", "fp8, MXFP4"]),
+        (layer(Mxfp4MoEMethod, 2), dispatch(standard), ["Mxfp4MoEMethod", "fp8, MXFP4"]),
+        (layer(UnquantizedFusedMoEMethod, 3), dispatch(deepep), ["deepep_ll", "all-to-all"]),
+    ]
+    route = verify_moe_hook.VerifyMoeRoute("reference")
+    sglang_result = object()
+    with caplog.at_level("WARNING", logger=verify_moe_hook.logger.name):
+        for _ in range(2):  # a second step: no new line
+            for moe_layer, dispatch_output, _words in cases:
+                got = route.run(lambda *a: sglang_result, moe_layer, dispatch_output)
+                assert got is sglang_result
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == len(cases) and route.kernel_layers == 0
+    for line, (moe_layer, _, words) in zip(lines, cases, strict=True):
+        assert line.startswith(
+            f"verify_moe_kernel: MoE layer {moe_layer.layer_id} runs SGLang's MoE"
+        )
+        assert all(w in line for w in words), line
+    assert sorted(route.fallbacks.values()) == [2, 2, 2] and route.loaded_experts == {}
+
+
 # --- real SGLang layers, in a child process under Triton's interpreter ----------------------
 
 
@@ -220,12 +270,57 @@ def layer_checks() -> dict:
     topk_output = StandardTopKOutput(weights, ids, torch.zeros(5, 16))
     got = run(model, x, ForwardMode.TARGET_VERIFY, topk_output=topk_output)
     w13, w2 = model.experts.w13_weight.data, model.experts.w2_weight.data
-    ref, _ = verify_moe_reference(x[:3], w13, w2, ids[:3], weights[:3])
+    ref, ref_bitmap = verify_moe_reference(x[:3], w13, w2, ids[:3], weights[:3])
     facts["padded"] = {
         "real_err": (got[:3] - ref).abs().max().item(),
         "padded_zero": bool((got[3:] == 0).all()),
         "ids_untouched": bool((ids[3:] == -1).all()),
+        # The layer's persistent bitmap: the real rows' experts, the padding none.
+        "bitmap": route.loaded_experts[5].tolist() == ref_bitmap.tolist(),
     }
+    facts["capture"] = capture_checks(route, run, sglang, gen)
+    return facts
+
+
+def capture_checks(route, run, sglang, gen) -> dict:
+    """A layer met first inside a (simulated) CUDA-graph capture, then after an eager
+    warm-up: the capture test is made to say True, as it does on a GPU while SGLang's graph
+    runner captures a verify graph (a CPU tensor is never really captured)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from sgl_ecospec.ops.verify_moe import verify_moe_reference
+
+    model = build_layer(seed=6)
+    w13, w2 = model.experts.w13_weight.data, model.experts.w2_weight.data
+    xs = [torch.randn(6, 64, generator=gen) for _ in range(3)]
+    capturing = verify_moe_hook.capturing
+    facts = {}
+    for step, (name, in_capture) in enumerate(
+        [("first_in_capture", True), ("warm_up", False), ("captured", True)]
+    ):
+        verify_moe_hook.capturing = lambda hidden, in_capture=in_capture: in_capture
+        try:
+            before, reasons = route.kernel_layers, dict(route.fallbacks)
+            buffer = route.loaded_experts.get(6)
+            got = run(model, xs[step], ForwardMode.TARGET_VERIFY)
+        finally:
+            verify_moe_hook.capturing = capturing
+        expected = sglang(model, xs[step])
+        topk = model.topk(xs[step], xs[step].float() @ model.router.t())
+        _, ref_bitmap = verify_moe_reference(xs[step], w13, w2, topk[1], topk[0])
+        bitmap = route.loaded_experts.get(6)
+        facts[name] = {
+            "kernel_layers": route.kernel_layers - before,
+            "new_fallbacks": {
+                k: v - reasons.get(k, 0)
+                for k, v in route.fallbacks.items()
+                if v > reasons.get(k, 0)
+            },
+            "max_err": (got - expected).abs().max().item(),
+            "equal": torch.equal(got, expected),
+            "bitmap": None if bitmap is None else bitmap.tolist() == ref_bitmap.tolist(),
+            "same_buffer": buffer is not None and bitmap is buffer,
+        }
     return facts
 
 
@@ -264,3 +359,17 @@ def test_kernel_in_real_sglang_layers_matches_sglang_in_verify_forwards_only():
     assert facts["draft"] == [0, True]
     assert facts["padded"]["real_err"] <= 1e-5
     assert facts["padded"]["padded_zero"] and facts["padded"]["ids_untouched"]
+    assert facts["padded"]["bitmap"]
+
+    # Under a capture, a layer whose bitmap buffer exists runs the kernel (so the captured
+    # graph, and every replay of it, computes with it) and writes that same buffer; one met
+    # first inside a capture runs SGLang's MoE rather than allocate during the capture.
+    capture = facts["capture"]
+    first = capture["first_in_capture"]
+    assert first["kernel_layers"] == 0 and first["equal"] and first["bitmap"] is None
+    assert first["new_fallbacks"] == {verify_moe_hook.FIRST_MET_IN_CAPTURE: 1}
+    for name in ("warm_up", "captured"):
+        fact = capture[name]
+        assert fact["kernel_layers"] == 1 and fact["new_fallbacks"] == {}, (name, fact)
+        assert fact["max_err"] <= 1e-5 and fact["bitmap"] is True, (name, fact)
+    assert capture["captured"]["same_buffer"]

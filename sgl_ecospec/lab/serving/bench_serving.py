@@ -9,10 +9,11 @@ ShareGPT first turns, written to an offline ShareGPT-format file) at every
 and, for ECOSPEC servers, unique experts per layer per verify step and predictor recall
 (from the scheduler's ``EcoSpec:`` log lines of that phase).
 
-``ecospec-confidence`` is ECOSPEC with ``policy=confidence``: the same verify sets as
-EAGLE3 (SGLang's ``organize_draft_results`` ranking, equality tested), measured by the
-plugin, so its expert count is EAGLE3's at the same settings; the ``eagle3`` row is SGLang's
-own worker, for throughput.
+``ecospec-confidence`` is ECOSPEC with ``policy=confidence`` and the utility gate off: the
+same verify sets as EAGLE3 in every step (SGLang's ``organize_draft_results`` ranking,
+equality tested), measured by the plugin, so its expert count is EAGLE3's at the same
+settings; the ``eagle3`` row is SGLang's own worker, for throughput. ``ecospec`` is ECOSPEC as
+an operator gets it (utility gate on).
 
 Without a GPU the servers run in the CPU development mode (``scripts/launch_cpu.sh``) with
 the arguments it needs; the default model is the small testbed. On a GPU pass
@@ -177,6 +178,8 @@ def server_launch(cfg: dict, algorithm: str) -> tuple[list[str], dict]:
             "confidence" if algorithm == "ecospec-confidence" else "ecospec"
         )
         env["SGLANG_ECOSPEC_LOG_INTERVAL"] = "4"
+        if algorithm == "ecospec-confidence":  # measures EAGLE3's verify sets in every step
+            env["SGLANG_ECOSPEC_GATE"] = "0"
         if cfg["eps"] is not None:
             env["SGLANG_ECOSPEC_EPS"] = str(cfg["eps"])
     return args, env

@@ -1,0 +1,249 @@
+"""ECOSPEC's utility gate in the server: per batch-size bucket, plain decoding where
+speculation does not pay (setting ``gate``, on by default).
+
+The decision is :class:`sgl_ecospec.gate.UtilityGate`'s (measured tokens per request per
+step and step times, per bucket, with periodic re-probing). The switch is SGLang's own:
+EAGLE's V2 worker runs with ``speculative_num_steps == 0`` as plain decoding (no draft tree:
+a one-node verify of the bonus token, which samples the next token from the target's logits,
+through the verify graph captured for one draft token), and its adaptive-speculation
+controller (``AdaptiveController``) holds a runtime state (attention backends, CUDA graphs)
+per step count and switches between them before each decode step. :class:`GatePolicy` is the
+controller's policy (SGLang's ``AdaptiveSpecPolicy`` protocol) with two step counts, 0 and
+the configured ``--speculative-num-steps``; :func:`install` builds the controller on the
+worker. While a bucket decodes plainly the draft model does not run at all: the worker sets
+SGLang's ``SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND`` (unless the operator set it), so the draft
+extend after the one-node verify is skipped too; re-entering speculation, the first step drafts
+from a stale draft state (lossless: verification decides), and the gate does not measure it.
+
+Timing: each decode step's time is measured around the worker's ``forward_batch_generation``
+(on the CPU its wall time; on a GPU two CUDA events on the forward stream, read when the step's
+results reach the host, where the scheduler has already waited for them), and its tokens per
+request from ``num_correct_drafts_per_req`` that SGLang hands to the controller
+(``on_verify_complete``). Steps and results pair in order (a FIFO), as the overlap scheduler
+processes results in launch order.
+
+Ranks: every rank of the TP group must run the same mode, or the collectives of the target's
+forward would mix a one-token verify with a tree verify. With more than one rank, rank 0's
+mode is broadcast over the group's CPU (gloo) group before each step (one 8-byte broadcast).
+
+Logged: each bucket's change of state, with its measurements. Exported (``--enable-metrics``):
+``sglang:ecospec_gate_open`` and ``sglang:ecospec_gate_utility`` per bucket (label
+``batch_sizes``).
+"""
+
+import collections
+import logging
+import os
+import time
+
+import torch
+
+from sgl_ecospec.gate import (
+    PLAIN,
+    SPECULATE,
+    BucketState,
+    GateOptions,
+    UtilityGate,
+    bucket_label,
+)
+
+logger = logging.getLogger(__name__)
+
+SKIP_DRAFT_EXTEND_ENV = "SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND"
+
+
+def unsupported_reason(view) -> str | None:
+    """Why the gate cannot run with these server arguments (``view``: SGLang's resolved
+    view of the final ``ServerArgs``), or None. SGLang's runtime-state switch does not cover
+    these layouts (as SGLang's ``adaptive_spec_params.adaptive_unsupported_reason`` says)."""
+    if getattr(view, "enable_dp_attention", False) or getattr(view, "attn_dp_size", 1) > 1:
+        return (
+            "attention DP (--enable-dp-attention / --attn-dp-size): the DP ranks' decisions "
+            "are not synchronised"
+        )
+    checks = (
+        ("enable_multi_layer_eagle", "multi-layer EAGLE"),
+        ("enable_two_batch_overlap", "two-batch overlap"),
+        ("enable_pdmux", "PD multiplexing"),
+    )
+    for flag, what in checks:
+        if getattr(view, flag, False):
+            return f"{what} (--{flag.replace('_', '-')})"
+    if getattr(view, "pp_size", 1) > 1:
+        return "pipeline parallelism (--pp-size > 1)"
+    return None
+
+
+class StepTimer:
+    """Times decode steps on ``device``: ``start()``/``stop()`` around a step return a token
+    that :meth:`seconds` turns into the step's time once its results are on the host."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def start(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, started):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return (started, event)
+        return time.perf_counter() - started
+
+    def seconds(self, token) -> float:
+        if self.cuda:
+            begin, end = token
+            end.synchronize()  # the scheduler has waited for this step's results already
+            return begin.elapsed_time(end) / 1000.0
+        return token
+
+
+class GateMetrics:
+    """The gate's Prometheus gauges (SGLang's scheduler labels plus ``batch_sizes``)."""
+
+    def __init__(self, labels: dict, *, gauge_cls=None, registry=None):
+        from prometheus_client import Gauge
+
+        gauge_cls = gauge_cls or Gauge
+        extra = {} if registry is None else {"registry": registry}
+        names = [*labels, "batch_sizes"]
+        self.labels = labels
+        self.open = gauge_cls(
+            name="sglang:ecospec_gate_open",
+            documentation="EcoSpec utility gate: 1 where the batch-size bucket speculates, 0 "
+            "where it decodes plainly.",
+            labelnames=names,
+            multiprocess_mode="mostrecent",
+            **extra,
+        )
+        self.utility = gauge_cls(
+            name="sglang:ecospec_gate_utility",
+            documentation="EcoSpec utility gate: measured tokens per second of speculation "
+            "over plain decoding's, per batch-size bucket.",
+            labelnames=names,
+            multiprocess_mode="mostrecent",
+            **extra,
+        )
+
+    def record(self, bucket: int, state: BucketState) -> None:
+        labels = {**self.labels, "batch_sizes": bucket_label(bucket)}
+        self.open.labels(**labels).set(1.0 if state.open else 0.0)
+        if state.utility == state.utility:  # not NaN
+            self.utility.labels(**labels).set(state.utility)
+
+
+def describe(bucket: int, state: BucketState) -> str:
+    """One log line's account of a bucket's decision."""
+    return (
+        f"EcoSpec gate: batch sizes {bucket_label(bucket)} "
+        f"{'speculate' if state.open else 'decode plainly'}: speculation "
+        f"{state.spec_tokens:.2f} tokens/request/step at {state.spec_time * 1e3:.1f} ms, plain "
+        f"decoding {state.plain_time * 1e3:.1f} ms/step (utility {state.utility:.2f})"
+    )
+
+
+class GatePolicy:
+    """SGLang's ``AdaptiveSpecPolicy`` over :class:`UtilityGate`: step counts 0 (plain
+    decoding) and ``num_steps``.
+
+    Args:
+        num_steps: the configured ``--speculative-num-steps`` (> 0).
+        options: the gate's :class:`GateOptions`.
+        device: the worker's device (step timing).
+        group: SGLang's ``GroupCoordinator`` of the TP ranks (more than one), or None.
+    """
+
+    def __init__(self, num_steps: int, options: GateOptions, device, group=None):
+        if num_steps < 1:
+            raise ValueError(f"the gate needs --speculative-num-steps >= 1, got {num_steps}")
+        self.num_steps = num_steps
+        self.gate = UtilityGate(options, on_change=self._changed)
+        self.timer = StepTimer(device)
+        self.group = group
+        self.metrics: GateMetrics | None = None
+        self._pending: collections.deque = collections.deque()  # (batch size, mode, timing)
+        self._mode = SPECULATE
+
+    # SGLang's AdaptiveSpecPolicy protocol.
+    @property
+    def candidate_steps(self) -> list[int]:
+        return [0, self.num_steps]
+
+    def set_cuda_graph_bs(self, cuda_graph_bs) -> None:
+        """Both states serve every batch size: nothing to prune."""
+
+    def cuda_graph_bs_for_step(self, step: int):
+        return None
+
+    def get_steps_for_batch(self, batch_size: int) -> int:
+        """Called by SGLang before each decode step: this step's mode."""
+        mode = self.gate.mode(max(batch_size, 1))
+        if self.group is not None:
+            mode = self._rank0_mode(mode)
+        self._mode = mode
+        return self.num_steps if mode == SPECULATE else 0
+
+    def on_verify_complete(self, num_correct_drafts_per_req, batch_size: int):
+        """Called with each decode step's results on the host: measures the step."""
+        if not self._pending:
+            return None
+        size, mode, timing = self._pending.popleft()
+        if num_correct_drafts_per_req:
+            tokens = 1.0 + sum(num_correct_drafts_per_req) / len(num_correct_drafts_per_req)
+            self.gate.record(size, mode, self.timer.seconds(timing), tokens)
+        return None
+
+    # The worker's side.
+    def step_started(self):
+        return self.timer.start()
+
+    def step_finished(self, batch_size: int, started) -> None:
+        if batch_size > 0:
+            self._pending.append((batch_size, self._mode, self.timer.stop(started)))
+
+    @property
+    def speculating(self) -> bool:
+        """Whether the current step speculates."""
+        return self._mode == SPECULATE
+
+    def export(self, collector) -> None:
+        """Sets the gauges of every bucket seen (with ``--enable-metrics``, on SGLang's decode
+        log ticks); the series get ``collector``'s labels and metric class."""
+        if self.metrics is None:
+            self.metrics = GateMetrics(
+                collector.labels, gauge_cls=getattr(collector, "_gauge_cls", None)
+            )
+        for bucket in self.gate.buckets():
+            self.metrics.record(bucket, self.gate.state(bucket))
+
+    def _rank0_mode(self, mode: str) -> str:
+        flag = torch.tensor([mode == SPECULATE], dtype=torch.int64)
+        torch.distributed.broadcast(flag, src=self.group.ranks[0], group=self.group.cpu_group)
+        return SPECULATE if bool(flag.item()) else PLAIN
+
+    def _changed(self, bucket: int, state: BucketState) -> None:
+        logger.info(describe(bucket, state))
+
+
+def install(worker, options: GateOptions, group=None) -> GatePolicy:
+    """Gives ``worker`` (an ``EAGLEWorkerV2``, before SGLang's ``init_cuda_graphs``) an
+    adaptive controller driven by :class:`GatePolicy`; its runtime states (the configured
+    steps and plain decoding) are built when SGLang initialises the CUDA graphs."""
+    from sglang.srt.speculative.adaptive_runtime_state import AdaptiveController
+
+    if os.environ.get(SKIP_DRAFT_EXTEND_ENV) is None:
+        os.environ[SKIP_DRAFT_EXTEND_ENV] = "1"
+    policy = GatePolicy(worker.speculative_num_steps, options, worker.device, group)
+    worker.adaptive_controller = AdaptiveController(worker, policy)
+    logger.info(
+        "EcoSpec gate on: plain decoding in batch-size buckets where speculation's measured "
+        "utility is below 1 (re-probed every %d steps for %d steps)",
+        options.probe_interval,
+        options.probe_steps,
+    )
+    return policy

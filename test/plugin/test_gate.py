@@ -1,0 +1,174 @@
+"""The utility gate in the server: SGLang's adaptive-controller protocol over the gate (step
+counts 0 and S), the pairing of timed steps with their results, the per-bucket metrics and
+log line, the layouts it refuses, its settings, and two gloo ranks running rank 0's mode."""
+
+import logging
+import multiprocessing
+import os
+import socket
+import traceback
+from types import SimpleNamespace
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+from sglang_ecospec import gate as plugin_gate
+from sglang_ecospec.settings import EcoSpecSettings, EcoSpecSettingsError
+
+from sgl_ecospec.gate import GateOptions
+
+OPTIONS = GateOptions(probe_interval=30, max_probe_interval=30, probe_steps=3, min_samples=3)
+
+
+def run_steps(policy, steps, batch_size, spec_seconds, plain_seconds, accepted):
+    """Drives ``policy`` as SGLang's worker and scheduler do: steps, then their results
+    (one step behind, as with the overlap scheduler); returns the step counts chosen."""
+    chosen, results = [], []
+    for _ in range(steps):
+        num_steps = policy.get_steps_for_batch(batch_size)
+        chosen.append(num_steps)
+        seconds = spec_seconds if num_steps else plain_seconds
+        policy._pending.append((batch_size, policy._mode, seconds))  # a CPU timer's token
+        results.append([accepted if num_steps else 0] * batch_size)
+        if len(results) > 1:
+            policy.on_verify_complete(results.pop(0), batch_size)
+    for result in results:
+        policy.on_verify_complete(result, batch_size)
+    return chosen
+
+
+def test_policy_speaks_sglangs_adaptive_protocol():
+    policy = plugin_gate.GatePolicy(3, OPTIONS, "cpu")
+    assert policy.candidate_steps == [0, 3]
+    assert policy.cuda_graph_bs_for_step(0) is None
+    policy.set_cuda_graph_bs([1, 2, 4])
+    assert policy.get_steps_for_batch(2) == 3 and policy.speculating
+    with pytest.raises(ValueError, match="num-steps"):
+        plugin_gate.GatePolicy(0, OPTIONS, "cpu")
+
+
+def test_policy_turns_speculation_off_where_it_loses(caplog):
+    policy = plugin_gate.GatePolicy(3, OPTIONS, "cpu")
+    with caplog.at_level(logging.INFO, logger=plugin_gate.__name__):
+        # 0.5 accepted drafts per step at 3x the time of a plain step: utility 0.5.
+        chosen = run_steps(policy, 120, 1, 0.3, 0.1, accepted=0.5)
+    # Results arrive one step late, so speculation runs one step more before the probe.
+    assert chosen[:4] == [3, 3, 3, 3] and chosen[4:8] == [0, 0, 0, 0]
+    assert chosen[-60:].count(0) >= 50
+    state = policy.gate.state(1)
+    assert not state.open and state.utility == pytest.approx(0.5)
+    assert "batch sizes 1 decode plainly" in caplog.text and "utility 0.50" in caplog.text
+
+
+def test_policy_keeps_speculating_where_it_pays():
+    policy = plugin_gate.GatePolicy(3, OPTIONS, "cpu")
+    chosen = run_steps(policy, 120, 8, 0.12, 0.1, accepted=1.5)  # utility 2.08
+    assert policy.gate.state(8).open
+    assert chosen[-60:].count(3) >= 50
+
+
+def test_results_pair_with_their_steps_in_order():
+    policy = plugin_gate.GatePolicy(2, OPTIONS, "cpu")
+    policy.on_verify_complete([1, 1], 2)  # no step pending: ignored
+    policy.get_steps_for_batch(2)
+    policy.step_finished(2, policy.step_started())
+    policy.step_finished(0, policy.step_started())  # an empty batch is not queued
+    assert len(policy._pending) == 1
+    policy.on_verify_complete([1, 3], 2)
+    assert not policy._pending
+    assert policy.gate.state(2).spec_tokens == pytest.approx(3.0)
+
+
+def test_metrics_per_bucket():
+    registry = CollectorRegistry()
+    policy = plugin_gate.GatePolicy(3, OPTIONS, "cpu")
+    run_steps(policy, 40, 1, 0.3, 0.1, accepted=0.5)
+    run_steps(policy, 40, 3, 0.1, 0.1, accepted=2.0)
+    policy.metrics = plugin_gate.GateMetrics({"model_name": "m"}, registry=registry)
+    policy.export(SimpleNamespace(labels={"model_name": "m"}))
+
+    def value(name, sizes):
+        labels = {"model_name": "m", "batch_sizes": sizes}
+        return registry.get_sample_value(name, labels)
+
+    assert value("sglang:ecospec_gate_open", "1") == 0.0
+    assert value("sglang:ecospec_gate_open", "3-4") == 1.0
+    assert value("sglang:ecospec_gate_utility", "1") == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(
+    "flag, value, words",
+    [
+        ("enable_dp_attention", True, "--enable-dp-attention"),
+        ("attn_dp_size", 2, "--attn-dp-size"),
+        ("enable_two_batch_overlap", True, "--enable-two-batch-overlap"),
+        ("pp_size", 2, "--pp-size"),
+    ],
+)
+def test_unsupported_layouts_are_named(flag, value, words):
+    args = SimpleNamespace(**{flag: value})
+    assert words in plugin_gate.unsupported_reason(args)
+    assert plugin_gate.unsupported_reason(SimpleNamespace()) is None
+
+
+def test_install_sets_the_controller_and_skips_the_draft_extend(monkeypatch):
+    monkeypatch.delenv(plugin_gate.SKIP_DRAFT_EXTEND_ENV, raising=False)
+    worker = SimpleNamespace(speculative_num_steps=3, device="cpu", adaptive_controller=None)
+    policy = plugin_gate.install(worker, OPTIONS)
+    assert worker.adaptive_controller.params is policy
+    assert worker.adaptive_controller.candidate_steps == [0, 3]
+    assert os.environ[plugin_gate.SKIP_DRAFT_EXTEND_ENV] == "1"
+    # An operator's own choice stands.
+    monkeypatch.setenv(plugin_gate.SKIP_DRAFT_EXTEND_ENV, "0")
+    plugin_gate.install(worker, OPTIONS)
+    assert os.environ[plugin_gate.SKIP_DRAFT_EXTEND_ENV] == "0"
+
+
+def test_settings():
+    settings = EcoSpecSettings.from_env({})
+    assert settings.gate and settings.gate_options() == GateOptions()
+    env = {"SGLANG_ECOSPEC_GATE": "0", "SGLANG_ECOSPEC_GATE_PROBE_INTERVAL": "32"}
+    settings = EcoSpecSettings.from_env(env)
+    assert not settings.gate and settings.gate_options().probe_interval == 32
+    with pytest.raises(EcoSpecSettingsError, match="gate_probe_steps must be an int >= 2"):
+        EcoSpecSettings.from_env({"SGLANG_ECOSPEC_GATE_PROBE_STEPS": "1"})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, port, queue):
+    try:
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+        )
+        group = SimpleNamespace(ranks=[0, 1], cpu_group=torch.distributed.group.WORLD)
+        policy = plugin_gate.GatePolicy(3, OPTIONS, "cpu", group=group)
+        # Rank 1 measures speculation as a loss, rank 0 as a gain: both follow rank 0.
+        spec_seconds = 0.1 if rank == 0 else 0.5
+        chosen = run_steps(policy, 60, 1, spec_seconds, 0.1, accepted=1.0)
+        queue.put((rank, chosen, None))
+        torch.distributed.destroy_process_group()
+    except Exception:
+        queue.put((rank, None, traceback.format_exc()))
+
+
+def test_two_ranks_run_rank0s_mode():
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    port = _free_port()
+    procs = [context.Process(target=_rank_main, args=(r, port, queue)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in procs:
+        rank, chosen, error = queue.get(timeout=120)
+        assert error is None, error
+        results[rank] = chosen
+    for p in procs:
+        p.join(timeout=30)
+    assert results[0] == results[1]
+    assert results[0][-30:].count(3) >= 25  # rank 0's verdict: speculation pays
