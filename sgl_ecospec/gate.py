@@ -63,9 +63,9 @@ class GateOptions:
             start from the median of their first ``min_samples`` samples.
     """
 
-    probe_interval: int = 64
-    max_probe_interval: int = 1024
-    probe_steps: int = 4
+    probe_interval: int = 128
+    max_probe_interval: int = 2048
+    probe_steps: int = 3
     min_samples: int = 4
     margin: float = 0.02
     smoothing: float = 0.2

@@ -107,9 +107,9 @@ class EcoSpecSettings:
     log_interval: int = 50
     verify_moe_kernel: bool = False
     gate: bool = True
-    gate_probe_interval: int = 64
-    gate_max_probe_interval: int = 1024
-    gate_probe_steps: int = 4
+    gate_probe_interval: int = 128
+    gate_max_probe_interval: int = 2048
+    gate_probe_steps: int = 3
     gate_min_samples: int = 4
 
     def __post_init__(self):
