@@ -21,6 +21,12 @@ then of the other, and decides. A later bucket starts in the state of the neares
 measured so far (utility changes slowly with the batch size) and is corrected by its own
 probes; without a measured neighbour it starts as the first did.
 
+Acceptance is measured only where the draft state is current: while a bucket decodes plainly
+the server does not run the draft model, so the speculative steps of its probes draft from a
+stale state and would understate it. They refresh the speculative step's time; the tokens
+per step stay those measured while the bucket (or, for a bucket that started closed, its
+neighbour) speculated.
+
 Pure Python and host-side: the caller feeds it measured step times and accepted-token counts
 (which a server has on the host anyway) and asks it which mode the next step runs.
 
@@ -104,6 +110,11 @@ class _Average:
         else:
             self.value += self.smoothing * (sample - self.value)
 
+    def adopt(self, other: "_Average") -> None:
+        """Starts from ``other``'s current value (a neighbouring bucket's), as if seeded."""
+        if other.count:
+            self.value, self.count = other.value, self.seed
+
 
 @dataclasses.dataclass
 class BucketState:
@@ -144,7 +155,8 @@ class _Bucket:
         self.probe_left = 0  # steps of the running probe still to go
 
     def measured(self) -> bool:
-        return min(self.spec_time.count, self.plain_time.count) > 0
+        counts = (self.spec_time.count, self.plain_time.count, self.spec_tokens.count)
+        return min(counts) > 0
 
     def utility(self) -> float:
         if not self.measured():
@@ -208,8 +220,9 @@ class UtilityGate:
         if key not in self._buckets:
             measured = [k for k, b in self._buckets.items() if b.measured()]
             if measured:
-                nearest = min(measured, key=lambda k: (abs(math.log2(k / key)), k))
-                self._buckets[key] = _Bucket(self.options, self._buckets[nearest].open, True)
+                nearest = self._buckets[min(measured, key=lambda k: (abs(math.log2(k / key)), k))]
+                bucket = self._buckets[key] = _Bucket(self.options, nearest.open, True)
+                bucket.spec_tokens.adopt(nearest.spec_tokens)
             else:
                 start_open = True if self.predicted is None else self.predicted(key) >= 1.0
                 self._buckets[key] = _Bucket(self.options, start_open, False)
@@ -221,10 +234,16 @@ class UtilityGate:
         bucket.steps += 1
         return bucket.next_mode()
 
-    def record(self, batch_size: int, mode: str, seconds: float, tokens: float) -> None:
+    def is_open(self, batch_size: int) -> bool:
+        """Whether the bucket of this batch size speculates outside probes."""
+        return self._bucket(batch_size).open
+
+    def record(self, batch_size: int, mode: str, seconds: float, tokens: float | None) -> None:
         """A measured step: its wall time and its tokens per request (speculative: accepted
-        drafts + 1, averaged over the batch; plain: 1). The first step after a switch of
-        mode is dropped (module doc). Then re-decides the bucket."""
+        drafts + 1, averaged over the batch; plain: 1; None: the step's time only, for a
+        speculative probe of a closed bucket, whose draft state the plain steps left stale).
+        The first step after a switch of mode is dropped (module doc). Then re-decides the
+        bucket."""
         if mode not in (SPECULATE, PLAIN):
             raise ValueError(f"mode must be {SPECULATE!r} or {PLAIN!r}, got {mode!r}")
         if not (math.isfinite(seconds) and seconds > 0):
@@ -236,7 +255,8 @@ class UtilityGate:
         bucket = self._bucket(batch_size)
         if mode == SPECULATE:
             bucket.spec_time.add(seconds)
-            bucket.spec_tokens.add(tokens)
+            if tokens is not None:
+                bucket.spec_tokens.add(tokens)
         else:
             bucket.plain_time.add(seconds)
         self._decide(bucket_of(batch_size), bucket)

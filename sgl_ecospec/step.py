@@ -56,6 +56,8 @@ class StepSelection:
         selected: int64 ``[B, S]``: chosen candidates, ascending, -1 padding.
         verify_predicted: int ``[B, 1 + S, L, K]``: the predictions of the verify rows, root
             then the chosen candidates (padding rows repeat the root), for recall.
+        context: int64 ``[B, 1 + N]`` or None: each row's parent token (:func:`tree_context`),
+            given to predictors that read it (``needs_context``); None for the others.
     """
 
     scores: torch.Tensor
@@ -64,6 +66,7 @@ class StepSelection:
     bitmaps: torch.Tensor
     selected: torch.Tensor
     verify_predicted: torch.Tensor
+    context: torch.Tensor | None = None
 
     def reselect(
         self,
@@ -80,8 +83,34 @@ class StepSelection:
         )
 
 
+def tree_context(
+    tokens: torch.Tensor, parents: torch.Tensor, root_context: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Each row's parent token: the root's is ``root_context``, a candidate's the token of its
+    parent in the draft tree (the root's token for a child of the root).
+
+    Args:
+        tokens: int64 ``[B, 1 + N]``: root token, then candidate tokens.
+        parents: int ``[B, N]``: each candidate's parent candidate, -1 for the root.
+        root_context: int ``[B]``: the last verified token before each root, or None
+            (unknown: -1).
+
+    Returns:
+        int64 ``[B, 1 + N]``; -1 where unknown.
+    """
+    candidate_context = tokens.gather(1, parents.long() + 1)  # row 0 is the root
+    if root_context is None:
+        root = torch.full_like(tokens[:, :1], -1)
+    else:
+        root = root_context.to(tokens)[:, None]
+    return torch.cat([root, candidate_context], 1)
+
+
 def predict_tree(
-    predictor: ExpertPredictor, tokens: torch.Tensor, states: torch.Tensor | None = None
+    predictor: ExpertPredictor,
+    tokens: torch.Tensor,
+    states: torch.Tensor | None = None,
+    context: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Predicted experts ``[B, 1 + N, L, K]`` of each request's root and candidates.
 
@@ -89,9 +118,12 @@ def predict_tree(
         tokens: int64 ``[B, 1 + N]``: root token, then candidate tokens.
         states: float ``[B, 1 + N, H]``: the draft states behind each row, for predictors
             that read them (``needs_hidden``); None for the others.
+        context: int64 ``[B, 1 + N]``: each row's parent token (:func:`tree_context`), for
+            predictors that read it (``needs_context``); None for the others.
     """
     flat_states = None if states is None else states.flatten(0, 1)
-    flat = predictor.predict_topk(tokens.flatten(), flat_states, validate=False)
+    extra = {} if context is None else {"context_tokens": context.flatten()}
+    flat = predictor.predict_topk(tokens.flatten(), flat_states, validate=False, **extra)
     return flat.view(*tokens.shape, *flat.shape[1:])
 
 
@@ -107,6 +139,7 @@ def select_step(
     valid: torch.Tensor | None = None,
     placement: RankPlacement | None = None,
     layer_weights: torch.Tensor | None = None,
+    root_context: torch.Tensor | None = None,
 ) -> StepSelection:
     """Predicts every row's experts and picks each request's verify set.
 
@@ -122,15 +155,20 @@ def select_step(
             empty bitmaps (e.g. padded rows of a CUDA-graph replay, roots not yet known).
         placement: the EP placement, or None (every expert priced alike).
         layer_weights: float ``[L]`` or None: each MoE layer's weight in DeltaCost.
+        root_context: int ``[B]`` or None (unknown): the last verified token before each
+            root, for predictors that read the tree's context (``needs_context``).
     """
-    predicted = predict_tree(predictor, tokens, states)
+    context = None
+    if getattr(predictor, "needs_context", False):
+        context = tree_context(tokens, parents, root_context)
+    predicted = predict_tree(predictor, tokens, states, context)
     bitmaps = topk_to_bitmap(predicted, predictor.num_experts, validate=False)
     if valid is not None:
         bitmaps = bitmaps * valid.long()[:, None, None, None]
     selected = _select(scores, parents, bitmaps, budget, options, placement, layer_weights)
     rows = verify_rows(selected)
     verify_predicted = predicted[batch_index(rows), rows]
-    return StepSelection(scores, parents, predicted, bitmaps, selected, verify_predicted)
+    return StepSelection(scores, parents, predicted, bitmaps, selected, verify_predicted, context)
 
 
 def verify_rows(selected: torch.Tensor) -> torch.Tensor:

@@ -123,6 +123,21 @@ def test_a_slow_first_step_does_not_linger():
     assert gate.state(1).spec_time == pytest.approx(0.1)
 
 
+def test_probes_of_a_closed_bucket_refresh_time_not_acceptance():
+    options = GateOptions(probe_interval=10, max_probe_interval=10, probe_steps=3, min_samples=2)
+    gate = UtilityGate(options)
+    drive(gate, 30, 1, spec_time=0.3, plain_time=0.1, tokens=1.5)
+    assert not gate.is_open(1)
+    for _ in range(60):  # the probes draft from a stale state: tokens not measured
+        mode = gate.mode(1)
+        tokens = None if mode == SPECULATE and not gate.is_open(1) else 1.0
+        gate.record(1, mode, 0.2 if mode == SPECULATE else 0.1, tokens)
+    state = gate.state(1)
+    assert state.spec_tokens == pytest.approx(1.5) and state.spec_time < 0.3
+    # A bucket that starts closed takes its neighbour's acceptance and can decide.
+    assert gate.mode(2) == PLAIN and gate.state(2).spec_tokens == pytest.approx(1.5)
+
+
 def test_prediction_sets_the_start_state_until_measured():
     gate = UtilityGate(GateOptions(min_samples=2), predicted=lambda b: 0.5 if b <= 2 else 1.5)
     assert gate.mode(1) == PLAIN and gate.mode(8) == SPECULATE

@@ -12,8 +12,10 @@ controller's policy (SGLang's ``AdaptiveSpecPolicy`` protocol) with two step cou
 the configured ``--speculative-num-steps``; :func:`install` builds the controller on the
 worker. While a bucket decodes plainly the draft model does not run at all: the worker sets
 SGLang's ``SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND`` (unless the operator set it), so the draft
-extend after the one-node verify is skipped too; re-entering speculation, the first step drafts
-from a stale draft state (lossless: verification decides), and the gate does not measure it.
+extend after the one-node verify is skipped too. Re-entering speculation, the requests draft
+from a draft state that misses the plainly decoded positions (lossless: verification decides),
+so a closed bucket's probes refresh only the speculative step's time, not its acceptance
+(:mod:`sgl_ecospec.gate`).
 
 Timing: each decode step's time is measured around the worker's ``forward_batch_generation``
 (on the CPU its wall time; on a GPU two CUDA events on the forward stream, read when the step's
@@ -166,8 +168,10 @@ class GatePolicy:
         self.timer = StepTimer(device)
         self.group = group
         self.metrics: GateMetrics | None = None
-        self._pending: collections.deque = collections.deque()  # (batch size, mode, timing)
+        # (batch size, mode, timing, stale draft state) of each step awaiting its results
+        self._pending: collections.deque = collections.deque()
         self._mode = SPECULATE
+        self._stale = False
 
     # SGLang's AdaptiveSpecPolicy protocol.
     @property
@@ -182,20 +186,24 @@ class GatePolicy:
 
     def get_steps_for_batch(self, batch_size: int) -> int:
         """Called by SGLang before each decode step: this step's mode."""
-        mode = self.gate.mode(max(batch_size, 1))
+        size = max(batch_size, 1)
+        mode = self.gate.mode(size)
         if self.group is not None:
             mode = self._rank0_mode(mode)
         self._mode = mode
+        # A speculative probe of a closed bucket drafts from a stale draft state.
+        self._stale = mode == SPECULATE and not self.gate.is_open(size)
         return self.num_steps if mode == SPECULATE else 0
 
     def on_verify_complete(self, num_correct_drafts_per_req, batch_size: int):
         """Called with each decode step's results on the host: measures the step."""
         if not self._pending:
             return None
-        size, mode, timing = self._pending.popleft()
+        size, mode, timing, stale = self._pending.popleft()
         if num_correct_drafts_per_req:
             tokens = 1.0 + sum(num_correct_drafts_per_req) / len(num_correct_drafts_per_req)
-            self.gate.record(size, mode, self.timer.seconds(timing), tokens)
+            seconds = self.timer.seconds(timing)
+            self.gate.record(size, mode, seconds, None if stale else tokens)
         return None
 
     # The worker's side.
@@ -204,7 +212,8 @@ class GatePolicy:
 
     def step_finished(self, batch_size: int, started) -> None:
         if batch_size > 0:
-            self._pending.append((batch_size, self._mode, self.timer.stop(started)))
+            timing = self.timer.stop(started)
+            self._pending.append((batch_size, self._mode, timing, self._stale))
 
     @property
     def speculating(self) -> bool:

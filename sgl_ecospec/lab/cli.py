@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     from sgl_ecospec.lab import calibrate
     from sgl_ecospec.lab import costmodel_report as report
     from sgl_ecospec.lab.bench import cli as bench_cli
-    from sgl_ecospec.lab.bench import sweep, train_head
+    from sgl_ecospec.lab.bench import predictor_replay, sweep, train_head
     from sgl_ecospec.lab.testbed import build as testbed_build
 
     parser = argparse.ArgumentParser(
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cli.add_parser(commands)
     sweep.add_parser(commands)
     train_head.add_parser(commands)
+    predictor_replay.add_parser(commands)
     testbed_build.add_parser(commands)
     calibrate.add_parser(commands)
     return parser

@@ -18,8 +18,16 @@ from sgl_ecospec.costmodel.profiles import HARDWARE, MODELS, get_hardware, get_m
 from sgl_ecospec.lab.costmodel_report import parse_positive_ints
 from sgl_ecospec.ops.selection import DEFAULT_EPS, POLICIES, SelectionOptions
 
+# The peers of ../shared/docs/PEERS.md as benchmark policies (docs/bench.md, "Peers"):
+# "evict" cuts confidence's choice to its best prefix per step (lab/engine/evict.py),
+# "cascade" is confidence behind the utility gate (lab/bench/peers.py).
+PEER_POLICIES = ("evict", "cascade")
+# bench's policies: the op's, then the peers.
+BENCH_POLICIES = (*POLICIES, *PEER_POLICIES)
 # The sweep's policies, in the order they are reported.
-SWEEP_POLICIES = ("confidence", "ecospec", "ecospec-ep", "adaptive")
+SWEEP_POLICIES = ("confidence", "ecospec", "ecospec-ep", "adaptive", *PEER_POLICIES)
+# Policies gated per batch size by confidence's predicted speedup (sweep_run.utility_gate).
+GATED_POLICIES = ("adaptive", "cascade")
 # Testbed build times on two cores (docs/testbed.md), for the announcement.
 _BUILD_TIME = {
     "full": "about 8-10 minutes with the shipped draft, 40-50 if it must train a draft",
@@ -83,6 +91,13 @@ def _names(text: str, flag: str, valid) -> tuple[str, ...]:
     return tuple(names)
 
 
+def _floats(text: str, flag: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated numbers, got {text!r}") from None
+
+
 def _sizes(text: str, flag: str) -> tuple[int, ...]:
     sizes = parse_positive_ints(text, flag)
     if len(set(sizes)) != len(sizes):
@@ -124,6 +139,8 @@ class BenchConfig(_Config):
     predictor_file: str | None = None
     eps: float = DEFAULT_EPS
     share_buffer: bool = True
+    calibrated_acceptance: bool = False
+    recall_weighted_cost: bool = False
     target: str | None = None
     draft: str | None = None
     small: bool = False
@@ -133,13 +150,20 @@ class BenchConfig(_Config):
     hardware: str = "h200"
     check_lossless: bool = False
     save_predictor: str | None = None
+    pareto: bool = False
+    pareto_eps: tuple[float, ...] = (0.01, 0.03, 0.3, 1.0)
     plot: bool = dataclasses.field(default=False, repr=False, compare=False)
 
     def __post_init__(self):
         _check_at_least_one(self, ("num_prompts", "max_new_tokens", "batch_size", "topk", "steps"))
-        unknown = [p for p in self.policies if p not in POLICIES]
+        unknown = [p for p in self.policies if p not in BENCH_POLICIES]
         if unknown or not self.policies:
-            raise ValueError(f"unknown --policy {unknown or self.policies!r}; valid: {POLICIES}")
+            raise ValueError(
+                f"unknown --policy {unknown or self.policies!r}; valid: {BENCH_POLICIES}"
+            )
+        if not self.pareto_eps or not all(e > 0 for e in self.pareto_eps):
+            raise ValueError(f"--pareto-eps must be numbers > 0, got {list(self.pareto_eps)}")
+        object.__setattr__(self, "pareto_eps", tuple(sorted(set(self.pareto_eps))))
         if len(set(self.policies)) != len(self.policies):
             raise ValueError(f"--policy lists a policy twice: {','.join(self.policies)!r}")
         object.__setattr__(self, "candidates", num_candidates(self.topk, self.steps))
@@ -154,8 +178,11 @@ class BenchConfig(_Config):
             SelectionOptions(eps=self.eps)  # the one eps rule, the op's
         except (TypeError, ValueError):
             raise ValueError(f"--eps must be > 0, got {self.eps}") from None
-        if self.save_predictor and self.predictor != "online":
-            raise ValueError("--save-predictor writes the online predictor; use --predictor online")
+        if self.save_predictor and self.predictor not in ("online", "vocab", "context"):
+            raise ValueError(
+                "--save-predictor writes the online predictor's table; use --predictor "
+                "online, vocab or context"
+            )
         _check_predictor(self.predictor, self.predictor_file)
         _check_models(self.target, self.draft)
         if len(set(self.datasets)) != len(self.datasets):
@@ -163,8 +190,10 @@ class BenchConfig(_Config):
         get_model(self.profile), get_hardware(self.hardware)
 
     def to_dict(self) -> dict:
-        """The ``config`` of the JSON report (before ``num_prompts`` becomes per dataset)."""
-        return {k: v for k, v in super().to_dict().items() if k != "plot"}
+        """The ``config`` of the JSON report (before ``num_prompts`` becomes per dataset);
+        the Pareto runs are described in the report's ``pareto``."""
+        hidden = ("plot", "pareto", "pareto_eps")
+        return {k: v for k, v in super().to_dict().items() if k not in hidden}
 
     @classmethod
     def from_args(cls, args) -> "BenchConfig":
@@ -181,11 +210,15 @@ class BenchConfig(_Config):
             policies=tuple(policies),
             **{k: getattr(args, k) for k in ("predictor", "predictor_file", "eps")},
             share_buffer=args.share_buffer,
+            calibrated_acceptance=args.calibrated_acceptance,
+            recall_weighted_cost=args.recall_weighted_cost,
             **_model_fields(args),
             profile=get_model(args.profile).name,
             hardware=get_hardware(args.hardware).name,
             check_lossless=args.check_lossless,
             save_predictor=args.save_predictor,
+            pareto=bool(args.pareto),
+            pareto_eps=_floats(args.pareto_eps, "--pareto-eps"),
             plot=bool(args.plot),
         )
 
@@ -234,10 +267,11 @@ class SweepConfig(_Config):
             raise ValueError(f"unknown --policies {unknown}; valid: {', '.join(SWEEP_POLICIES)}")
         # Reported in a fixed order; no result depends on the order the policies run in.
         object.__setattr__(self, "policies", tuple(p for p in SWEEP_POLICIES if p in self.policies))
-        if "adaptive" in self.policies and "confidence" not in self.policies:
+        gated = [p for p in GATED_POLICIES if p in self.policies]
+        if gated and "confidence" not in self.policies:
             raise ValueError(
-                "adaptive's per-batch-size gate reads the speedup of confidence selection at "
-                "the same batch size: add confidence to --policies"
+                f"{' and '.join(gated)}: the per-batch-size gate reads the speedup of "
+                "confidence selection at the same batch size: add confidence to --policies"
             )
         if "ecospec-ep" in self.policies and max(self.ep_sizes) == 1:
             raise ValueError("ecospec-ep selects for expert parallelism: give --ep-sizes above 1")

@@ -73,9 +73,19 @@ class ExpertPredictor(abc.ABC):
             :meth:`predict_topk` returns).
         needs_hidden: whether predictions read the drafter hidden states (callers that
             have none can skip the predictor).
+        needs_context: whether :meth:`predict_topk` and :meth:`observe` also take
+            ``context_tokens``, int ``[T]``: each row's parent token (a draft candidate's
+            parent in the draft tree; for the root, the last verified token before it), -1
+            where unknown. Callers pass the keyword only to such predictors, so the others
+            keep the signatures below.
+        live_recall: the predictor's measured recall
+            (:class:`sgl_ecospec.predictors.live_recall.LiveRecall`), attached by whoever
+            measures it (``LiveRecall.of``), or None.
     """
 
     needs_hidden = False
+    needs_context = False
+    live_recall = None
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int):
         self.num_layers = check_int("num_layers", num_layers, minimum=1)

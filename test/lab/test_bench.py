@@ -131,12 +131,16 @@ class FakeEngine:
             outputs=[self._output(p, max_new_tokens) for p in prompts], steps=steps
         )
 
-    def generate_speculative(self, prompts, max_new_tokens, spec, predictor=None, progress=None):
-        FakeEngine.calls.append((spec, predictor))
+    def generate_speculative(
+        self, prompts, max_new_tokens, spec, predictor=None, progress=None, calibrator=None
+    ):
+        FakeEngine.calls.append((spec, predictor, calibrator))
         budget = spec.budget
         experts = min(E, K + budget + (2 if spec.policy == "confidence" else 0))
+        n = len(prompts)
+        predicted = {"predicted_accepted": [0.5] * n, "predicted_accepted_raw": [2.0] * n}
         steps = [
-            Step(len(prompts), len(prompts) * (budget + 1), [1] * len(prompts), [experts] * L, 0.75)
+            Step(n, n * (budget + 1), [1] * n, [experts] * L, 0.75, **predicted)
             for _ in range(max_new_tokens // 2)
         ]
         outputs = [self._output(p, max_new_tokens) for p in prompts]
@@ -201,7 +205,34 @@ def test_bench_on_fake_engine_writes_table_json_and_plot(fake_engine, tmp_path, 
     assert len(calls) == 8 * 4
     assert {c[0].budget for c in calls} == {1, 2, 4, 8}
     assert len({id(c[1]) for c in calls}) == 8
-    assert type(calls[0][1]).__name__ == "OnlineExpertPredictor"
+    # bench times each prediction through a wrapper (predictor_stats.TimedPredictor).
+    assert type(calls[0][1].inner).__name__ == "OnlineExpertPredictor"
+
+
+def test_bench_reports_predicted_against_measured_acceptance(fake_engine, tmp_path, capsys):
+    out_json = tmp_path / "bench.json"
+    argv = ["--dataset", "mt-bench,gsm8k", "--num-prompts", "3", "--batch-size", "2"]
+    assert _run([*argv, "--calibrated-acceptance", "--json", str(out_json)]) == 0
+    assert "selection by calibrated probabilities" in capsys.readouterr().out
+    report = json.loads(out_json.read_text())
+    assert report["config"]["calibrated_acceptance"] is True
+    for entry in report["policies"].values():
+        # The fake accepts 1 draft per step (length 2), forecast 0.5 calibrated, 2.0 raw.
+        assert entry["accept_length"] == 2.0
+        assert entry["predicted_accept_length"] == 1.5
+        assert entry["predicted_accept_length_raw"] == 3.0
+        assert entry["predicted_accept_ratio"] == 0.75
+        assert entry["predicted_accept_ratio_raw"] == 1.5
+        for figures in entry["per_dataset"].values():
+            assert figures["predicted_accept_length"] == 1.5
+    # Every run selects on calibrated scores and keeps one calibrator over its batches.
+    calls = fake_engine.calls
+    assert all(spec.calibrated_acceptance for spec, _, _ in calls)
+    per_run = len(calls) // 2
+    assert len({id(c[2]) for c in calls[:per_run]}) == 1
+    assert {id(c[2]) for c in calls[:per_run]} != {id(c[2]) for c in calls[per_run:]}
+    assert type(calls[0][2]).__name__ == "AcceptanceCalibrator"
+    assert calls[0][2].max_depth == 3
 
 
 def test_bench_oracle_predictor_and_jsonl_prompts(fake_engine, tmp_path):

@@ -47,6 +47,24 @@ def test_acceptance_and_expert_statistics():
     assert metrics.summarize(steps[1:])["predictor_recall"] is None
 
 
+def test_predicted_against_measured_acceptance():
+    steps = [
+        Step(2, 10, [0, 2], [2], predicted_accepted=[0.5, 1.5], predicted_accepted_raw=[2, 2]),
+        Step(1, 5, [1], [2], predicted_accepted=[1.0], predicted_accepted_raw=[2.5]),
+    ]
+    # Measured: lengths 1, 3, 2 (mean 2); forecast 1.5, 2.5, 2 (mean 2) and 3, 3, 3.5.
+    assert metrics.predicted_acceptance(steps) == pytest.approx(
+        {
+            "predicted_accept_length": 2.0,
+            "predicted_accept_ratio": 1.0,
+            "predicted_accept_length_raw": 1 + 6.5 / 3,
+            "predicted_accept_ratio_raw": (1 + 6.5 / 3) / 2,
+        }
+    )
+    unrecorded = metrics.predicted_acceptance([*steps, Step(1, 5, [0], [2])])
+    assert set(unrecorded.values()) == {None}
+
+
 def test_metric_errors():
     with pytest.raises(ValueError, match="no verify steps"):
         metrics.summarize([])

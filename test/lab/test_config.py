@@ -22,8 +22,8 @@ RUN_MAIN = (
 BENCH_KEYS = [
     "datasets", "num_prompts", "seed", "max_new_tokens", "batch_size", "topk", "steps",
     "candidates", "budget", "budgets", "policies", "predictor", "predictor_file", "eps",
-    "share_buffer", "target", "draft", "small", "device", "dtype", "profile", "hardware",
-    "check_lossless", "save_predictor",
+    "share_buffer", "calibrated_acceptance", "recall_weighted_cost", "target", "draft", "small",
+    "device", "dtype", "profile", "hardware", "check_lossless", "save_predictor",
 ]  # fmt: skip
 SWEEP_KEYS = [
     "batch_sizes", "policies", "ep_sizes", "profiles", "hardware", "dataset", "num_prompts",
@@ -59,6 +59,8 @@ def test_bench_config_serializes_as_the_old_dict():
         "predictor_file": None,
         "eps": cfg.eps,
         "share_buffer": True,
+        "calibrated_acceptance": False,
+        "recall_weighted_cost": False,
         "target": "/t",
         "draft": "/d",
         "small": False,

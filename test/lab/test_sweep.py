@@ -12,7 +12,7 @@ import torch
 
 from sgl_ecospec import select_verify_set
 from sgl_ecospec.costmodel import get_model, selection_cost
-from sgl_ecospec.lab.bench import ep_cost, sweep, sweep_plan, sweep_report
+from sgl_ecospec.lab.bench import ep_cost, peers, sweep, sweep_plan, sweep_report
 from sgl_ecospec.lab.bench.runs import performance_model
 from sgl_ecospec.lab.config import SweepConfig
 from sgl_ecospec.lab.engine import SpecConfig
@@ -68,7 +68,7 @@ def test_selection_configs_follow_the_cost_model():
     cfg = _validate(["--profiles", "qwen3-235b-a22b,deepseek-v3", "--ep-sizes", "1,4"])
     testbed = {"num_layers": 2, "num_experts": 16, "top_k": 2}
     configs = sweep_plan.selection_configs(cfg, 32, 6.0, testbed)
-    assert set(configs) == {"confidence", "ecospec", "ecospec-ep", "adaptive"}
+    assert set(configs) == {"confidence", "ecospec", "ecospec-ep", "adaptive", "evict", "cascade"}
     perf = performance_model("qwen3-235b-a22b", "h200")
     cost = selection_cost(perf, 32, 5, draft_steps=3)
     adaptive = configs["adaptive"]
@@ -77,6 +77,8 @@ def test_selection_configs_follow_the_cost_model():
     weight = sweep_plan.testbed_expert_weight(6.0, 32, 4, num_experts=16, top_k=2, profile=QWEN3)
     assert adaptive["layer_weights"] == pytest.approx((94 / 2 * weight,) * 2)
     assert configs["ecospec"]["eps"] == cost.eps
+    assert configs["evict"]["evict_seconds"] == peers.evict_step_seconds(perf, 32, 4, 3)
+    assert configs["cascade"]["policy"] == "confidence"
     ep = configs["ecospec-ep"]
     cost4 = selection_cost(performance_model("qwen3-235b-a22b", "4xh200"), 32, 5, ep_size=4)
     assert ep["eps"] == cost4.eps and ep["num_ranks"] == 4
@@ -138,7 +140,14 @@ def test_ecospec_ep_lowers_the_busiest_rank_on_a_constructed_tree():
 def test_defaults_validate():
     cfg = _validate([]).to_dict()
     assert cfg["batch_sizes"] == [1, 2, 4, 8, 16, 32, 64]
-    assert cfg["policies"] == ["confidence", "ecospec", "ecospec-ep", "adaptive"]
+    assert cfg["policies"] == [
+        "confidence",
+        "ecospec",
+        "ecospec-ep",
+        "adaptive",
+        "evict",
+        "cascade",
+    ]
     assert cfg["ep_sizes"] == [1, 8]
     assert cfg["profiles"] == ["qwen3-235b-a22b", "gpt-oss-120b", "deepseek-v3"]
     assert cfg["hardware"] == "h200" and cfg["dataset"] == "mt-bench"
@@ -269,8 +278,10 @@ def test_sweep_report_schema_and_plot(fitted_report):
             union = run["busiest_rank_experts"]["1"]
             assert union == pytest.approx(run["experts_per_layer_step"])
             assert union / 4 <= run["busiest_rank_experts"]["4"] <= min(union, 4)
-        if run["policy"] != "adaptive":
+        if run["policy"] in ("confidence", "ecospec", "ecospec-ep"):
             assert run["ran"] and run["verified_per_request"] == 5.0
+        if run["policy"] == "evict":  # a prefix of confidence's choice, down to the root alone
+            assert run["ran"] and 1.0 <= run["verified_per_request"] <= 5.0
     row_keys = {
         "batch_size",
         "policy",
@@ -299,6 +310,7 @@ def test_sweep_report_schema_and_plot(fitted_report):
     assert set(rep["checks"]) == {
         "adaptive_not_slower",
         "adaptive_within_noise_of_confidence",
+        "adaptive_not_below_peers",
         "ecospec_expert_reduction",
         "ecospec_ep_lowers_busiest_rank",
         "ecospec_expert_reduction_paired",
@@ -331,6 +343,30 @@ def test_adaptive_is_never_slower_than_no_speculation(fitted_report):
             assert row["speedup"] == 1.0 and row["step_ms"] == row["ar_ms"]
         assert row["speedup"] >= 1.0
     assert rep["checks"]["adaptive_not_slower"]["passed"] is True
+
+
+def test_cascade_is_confidence_behind_the_gate(fitted_report):
+    rep, _ = fitted_report
+    rows = {(r["batch_size"], r["policy"], r["profile"], r["ep_size"]): r for r in rep["rows"]}
+    runs = {(r["batch_size"], r["policy"]): r for r in rep["runs"]}
+    greedy = {g["batch_size"]: g for g in rep["greedy"]}
+    for (batch, policy, profile, ranks), row in rows.items():
+        if policy != "cascade":
+            continue
+        confidence = rows[batch, "confidence", profile, ranks]
+        assert row["speculates"] == (confidence["speedup"] > 1.0)
+        assert runs[batch, "cascade"]["speculates"][profile][str(ranks)] == row["speculates"]
+        if row["speculates"]:
+            assert row == {**confidence, "policy": "cascade"}
+        else:
+            assert row["speedup"] == 1.0 and row["accept_length"] == 1.0
+            assert row["experts_per_layer_step"] == greedy[batch]["experts_per_layer_step"]
+    for batch in BATCHES:
+        cascade, confidence = runs[batch, "cascade"], runs[batch, "confidence"]
+        if cascade["ran"]:
+            assert cascade["same_run_as"] == "confidence"
+            assert cascade["accept_length"] == confidence["accept_length"]
+    assert rep["checks"]["adaptive_not_below_peers"]["passed"] in (True, False)
 
 
 def test_adaptive_does_not_speculate_where_it_cannot_pay(tiny_models, tmp_path):

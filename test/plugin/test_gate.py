@@ -28,7 +28,7 @@ def run_steps(policy, steps, batch_size, spec_seconds, plain_seconds, accepted):
         num_steps = policy.get_steps_for_batch(batch_size)
         chosen.append(num_steps)
         seconds = spec_seconds if num_steps else plain_seconds
-        policy._pending.append((batch_size, policy._mode, seconds))  # a CPU timer's token
+        policy._pending.append((batch_size, policy._mode, seconds, policy._stale))  # CPU timer
         results.append([accepted if num_steps else 0] * batch_size)
         if len(results) > 1:
             policy.on_verify_complete(results.pop(0), batch_size)

@@ -6,7 +6,7 @@ Parsing only: the values are checked where the configuration is built
 
 import argparse
 
-PREDICTORS = ("online", "oracle", "head")
+PREDICTORS = ("online", "vocab", "context", "oracle", "head")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -23,7 +23,9 @@ def add_predictor_arguments(group) -> None:
         "--predictor",
         choices=PREDICTORS,
         default="online",
-        help="online: routing counts learnt while decoding; oracle: the true routing; head: "
+        help="online: routing counts learnt while decoding (4096 hashed token rows); vocab: "
+        "the same with every token its own row (compact counts); context: vocab plus (parent "
+        "token, token) pair counts, backing off to the token; oracle: the true routing; head: "
         "a trained LowRankExpertHead (--predictor-file, from `sgl-ecospec train-head`)",
     )
     group.add_argument(
@@ -31,6 +33,16 @@ def add_predictor_arguments(group) -> None:
         metavar="FILE",
         help="the head for --predictor head, or a saved online predictor to start from "
         "(every run starts from the file)",
+    )
+
+
+def add_recall_weighted_argument(group) -> None:
+    """``--recall-weighted-cost``: DeltaCost trusts only what the predictor knows."""
+    group.add_argument(
+        "--recall-weighted-cost",
+        action="store_true",
+        help="weigh each layer's DeltaCost by the predictor's live recall above chance and add "
+        "the experts it misses to eps, so that as recall falls ecospec approaches confidence",
     )
 
 

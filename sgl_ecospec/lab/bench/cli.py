@@ -7,12 +7,13 @@ and speedup predicted for a real model profile (docs/bench.md).
 """
 
 import argparse
+import dataclasses
 import sys
 import time
 
 from sgl_ecospec.costmodel.profiles import HARDWARE, MODELS
 from sgl_ecospec.lab import numerics
-from sgl_ecospec.lab.bench import arguments, metrics, report
+from sgl_ecospec.lab.bench import arguments, metrics, pareto, peers, predictor_stats, report
 from sgl_ecospec.lab.bench.runs import (
     LosslessError,
     OutputCheck,
@@ -24,9 +25,9 @@ from sgl_ecospec.lab.bench.runs import (
     run_predictor,
 )
 from sgl_ecospec.lab.cli import add_command
-from sgl_ecospec.lab.config import BenchConfig, with_models
+from sgl_ecospec.lab.config import BENCH_POLICIES, BenchConfig, with_models
 from sgl_ecospec.lab.datasets import DATASETS, load_prompts, render_chat
-from sgl_ecospec.ops.selection import DEFAULT_EPS, POLICIES
+from sgl_ecospec.ops.selection import DEFAULT_EPS
 
 DEFAULT_PLOT = "bench_experts.png"
 NOTE = (
@@ -62,11 +63,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     arguments.add_tree_arguments(gen)
     gen.add_argument("--budgets", help="comma-separated budgets for the sweep and the plot")
     gen.add_argument(
-        "--policy", default="confidence,ecospec", help=f"comma-separated: {', '.join(POLICIES)}"
+        "--policy",
+        default="confidence,ecospec",
+        help=f"comma-separated: {', '.join(BENCH_POLICIES)} (docs/bench.md, 'Peers')",
     )
     arguments.add_predictor_arguments(gen)
     gen.add_argument("--eps", type=float, default=DEFAULT_EPS, help="EcoSpec's P / (cost + eps)")
     arguments.add_share_buffer_argument(gen, "one expert buffer for the whole batch")
+    arguments.add_recall_weighted_argument(gen)
+    gen.add_argument(
+        "--calibrated-acceptance",
+        action="store_true",
+        help="select by each candidate's acceptance probability learnt online from the verify "
+        "results, not by its cumulative draft probability (predicted vs measured acceptance "
+        "length is reported either way)",
+    )
     arguments.add_model_arguments(parser)
     cost = parser.add_argument_group("cost model")
     cost.add_argument("--profile", default="qwen3-235b-a22b", help=f"one of: {', '.join(MODELS)}")
@@ -83,6 +94,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="write the online predictor learned in the last policy's run at --budget: a warm "
         "start for the SGLang plugin (SGLANG_ECOSPEC_PREDICTOR_FILE) on the same target",
     )
+    pareto.add_arguments(out)
     arguments.add_check_lossless_argument(out)
     return parser
 
@@ -95,18 +107,24 @@ def speculative_run(cfg, engine, budget, policy, groups_by_name, prompts, greedy
     """
     import torch
 
+    from sgl_ecospec.acceptance import AcceptanceCalibrator
     from sgl_ecospec.lab.engine import SpecConfig
 
     torch.manual_seed(cfg.seed)
+    perf = performance_model(cfg.profile, cfg.hardware)  # evict's step seconds
     spec = SpecConfig(
         topk=cfg.topk,
         num_steps=cfg.steps,
         budget=budget,
-        policy=policy,
+        **peers.spec_fields(policy, perf, cfg.batch_size, budget, cfg.steps),
         eps=cfg.eps,
         share_buffer=cfg.share_buffer,
+        calibrated_acceptance=cfg.calibrated_acceptance,
+        recall_weighted_cost=cfg.recall_weighted_cost,
     )
-    predictor = run_predictor(cfg, engine)
+    predictor = predictor_stats.timed(run_predictor(cfg, engine))
+    # One calibrator per run, learning over all of its batches, as the predictor does.
+    calibrator = AcceptanceCalibrator(cfg.steps, device=cfg.device)
     limit, started = cfg.max_new_tokens, time.perf_counter()
     steps, per_dataset, engine_recalls = [], {}, []
     check = OutputCheck(engine, cfg.check_lossless, f"policy {policy}, budget {budget}")
@@ -117,7 +135,12 @@ def speculative_run(cfg, engine, budget, policy, groups_by_name, prompts, greedy
         ds_check = OutputCheck(engine, cfg.check_lossless, check.label)
         for group in groups:
             result = engine.generate_speculative(
-                group, limit, spec, predictor=predictor, progress=progress.on_step
+                group,
+                limit,
+                spec,
+                predictor=predictor,
+                progress=progress.on_step,
+                calibrator=calibrator,
             )
             for ids, got in zip(group, result.outputs, strict=True):
                 ds_check.compare(prompts[name][index], ids, greedy[name][index], list(got[:limit]))
@@ -126,11 +149,15 @@ def speculative_run(cfg, engine, budget, policy, groups_by_name, prompts, greedy
             if result.predictor_recall is not None:
                 engine_recalls.append((result.predictor_recall, len(result.steps)))
             progress.bar.update()
-        per_dataset[name] = {**metrics.summarize(ds_steps), **ds_check.fields()}
+        per_dataset[name] = {
+            **metrics.summarize(ds_steps),
+            **metrics.predicted_acceptance(ds_steps),
+            **ds_check.fields(),
+        }
         steps += ds_steps
         check.mismatches += ds_check.mismatches
         check.near_ties += ds_check.near_ties
-    summary = metrics.summarize(steps)
+    summary = {**metrics.summarize(steps), **metrics.predicted_acceptance(steps)}
     if summary["predictor_recall"] is None and engine_recalls:
         # Steps carry no recall: fall back to the engine's per-call figure, step-weighted.
         weight = sum(n for _, n in engine_recalls) or 1
@@ -139,6 +166,7 @@ def speculative_run(cfg, engine, budget, policy, groups_by_name, prompts, greedy
         "policy": policy,
         "budget": budget,
         **summary,
+        **predictor_stats.predictor_fields(predictor),
         "uniform_experts_per_layer_step": metrics.uniform_experts(
             steps, engine.num_experts, engine.top_k
         ),
@@ -179,8 +207,21 @@ def run_bench(cfg: BenchConfig, engine, prompts: dict, *, out=None) -> dict:
         name: batches([render_chat(engine.tokenizer, p.text) for p in ps], cfg.batch_size)
         for name, ps in prompts.items()
     }
-    runs = [(b, p) for b in cfg.budgets for p in cfg.policies]
-    progress = Progress(sum(map(len, groups_by_name.values())) * (1 + len(runs)))
+    runs = [(b, p) for b in cfg.budgets for p in peers.run_order(cfg.policies)]
+    extra_runs = pareto.extra_runs(cfg) if cfg.pareto else []
+    num_decoded = len(peers.decoded_runs(runs)) + len(extra_runs)
+    progress = Progress(sum(map(len, groups_by_name.values())) * (1 + num_decoded))
+
+    def priced_run(run_cfg, budget, policy):
+        entry = speculative_run(
+            run_cfg, engine, budget, policy, groups_by_name, prompts, greedy, progress
+        )
+        predictor = entry.pop("predictor")
+        entry["predicted"] = metrics.predicted_cost(
+            entry.pop("steps"), greedy_steps, perf, **shape, num_draft_steps=cfg.steps
+        )
+        return entry, predictor
+
     try:
         greedy, greedy_steps, seconds = run_greedy(
             engine, groups_by_name, cfg.max_new_tokens, progress
@@ -210,26 +251,37 @@ def run_bench(cfg: BenchConfig, engine, prompts: dict, *, out=None) -> dict:
             "policies": {},
             "sweep": [],
         }
-        progress.write(_time_estimate(seconds, len(runs)), sys.stderr)
+        progress.write(_time_estimate(seconds, num_decoded), sys.stderr)
+        if cfg.pareto:
+            progress.write(pareto.announce(cfg), sys.stderr)
         progress.write(report.preamble(rep) + "\n\n" + report.table_header(), out)
         for budget, policy in runs:
-            entry = speculative_run(
-                cfg, engine, budget, policy, groups_by_name, prompts, greedy, progress
-            )
-            predictor = entry.pop("predictor")
-            if cfg.save_predictor and budget == cfg.budget and hasattr(predictor, "save"):
-                predictor.save(cfg.save_predictor)
-            entry["predicted"] = metrics.predicted_cost(
-                entry.pop("steps"), greedy_steps, perf, **shape, num_draft_steps=cfg.steps
-            )
+            # cascade reuses confidence's run at this budget when there is one.
+            entry = peers.confidence_run(rep["sweep"], budget) if policy == "cascade" else None
+            if entry is None:
+                entry, predictor = priced_run(cfg, budget, policy)
+                if cfg.save_predictor and budget == cfg.budget and hasattr(predictor, "save"):
+                    predictor.save(cfg.save_predictor)
+            if policy == "cascade":
+                entry = peers.cascade_entry(entry, greedy_steps, perf, **shape)
             rep["sweep"].append(entry)
             if budget == cfg.budget:
                 rep["policies"][policy] = entry
             progress.write(report.table_row(entry), out)
+            note = peers.gate_note(entry)
+            if note:
+                progress.write(note, out)
             for message in entry["mismatches"]:
                 progress.write(
                     f"warning: not lossless: {policy} budget {budget}: {message}", sys.stderr
                 )
+        extra = []
+        for budget, policy, eps in extra_runs:
+            entry, _ = priced_run(dataclasses.replace(cfg, eps=eps), budget, policy)
+            extra.append((entry, eps))
+            progress.write(pareto.format_line(pareto.point(entry, eps, True)), out)
+        if cfg.pareto:
+            rep["pareto"] = pareto.collect(cfg, rep, extra)
     finally:
         progress.bar.close()
     per_dataset_table = report.format_dataset_table(rep)
@@ -258,4 +310,6 @@ def run(args: argparse.Namespace) -> int:
         report.write_json(rep, args.json)
     if args.plot:
         report.write_plot(rep, args.plot)
+    if args.pareto:
+        pareto.write_plot(rep, args.pareto)
     return 0

@@ -51,6 +51,32 @@ def acceptance_length(steps: Sequence) -> float:
     return (pairs + sum(sum(s.accepted) for s in steps)) / pairs
 
 
+def predicted_acceptance(steps: Sequence) -> dict:
+    """Predicted against measured acceptance length of one run.
+
+    A step's prediction (``predicted_accepted`` and ``predicted_accepted_raw``, per request)
+    is made before its own verify result is learnt, so it is a forecast on unseen tokens.
+
+    Returns:
+        ``predicted_accept_length``: mean over (request, verify step) of 1 + the calibrated
+        predicted accepted draft tokens; ``predicted_accept_length_raw``: the same from the
+        raw cumulative draft probabilities (the draft's own promise); and each over the
+        measured ``accept_length``: ``predicted_accept_ratio``,
+        ``predicted_accept_ratio_raw`` (1 = exact). All None when a step recorded none.
+    """
+    measured = acceptance_length(steps)
+    out = {}
+    for suffix in ("", "_raw"):
+        per_step = [getattr(s, "predicted_accepted" + suffix, None) for s in steps]
+        length = None
+        if all(p is not None for p in per_step):
+            pairs = sum(len(p) for p in per_step)
+            length = 1 + sum(sum(p) for p in per_step) / pairs
+        out["predicted_accept_length" + suffix] = length
+        out["predicted_accept_ratio" + suffix] = None if length is None else length / measured
+    return out
+
+
 def expert_stats(steps: Sequence) -> tuple[float, float]:
     """Mean and 90th percentile (numpy's linear interpolation) of distinct experts over all
     (step, layer) pairs."""

@@ -18,16 +18,20 @@ _BUDGET_POLICY = (
 )
 _ACCEPT_EXPERTS_P90 = (
     ("accept", 6, lambda r: r["accept_length"], "{:.3f}"),
+    ("pred", 6, lambda r: r.get("predicted_accept_length"), "{:.3f}"),
+    ("pred_raw", 8, lambda r: r.get("predicted_accept_length_raw"), "{:.3f}"),
     ("experts", 7, lambda r: r["experts_per_layer_step"], "{:.2f}"),
     ("p90", 5, lambda r: r["experts_per_layer_step_p90"], "{:.1f}"),
 )
 _RECALL = ("recall", 6, lambda r: r["predictor_recall"], "{:.3f}")
+_PREDICT_MS = ("predict_ms", 10, lambda r: r.get("predict_ms_per_step"), "{:.3f}")
 _LOSSLESS = ("lossless", 8, metrics.lossless_status, "{}")
 _COLUMNS = (
     *_BUDGET_POLICY,
     *_ACCEPT_EXPERTS_P90,
     ("uniform", 7, lambda r: r["uniform_experts_per_layer_step"], "{:.2f}"),
     _RECALL,
+    _PREDICT_MS,
     _LOSSLESS,
     ("prof_exp", 8, lambda r: r["predicted"]["experts_per_layer_step"], "{:.2f}"),
     ("GB/step", 7, lambda r: r["predicted"]["expert_bytes_per_step"] / 1e9, "{:.2f}"),
@@ -77,7 +81,10 @@ def preamble(report: dict) -> str:
     greedy = report["greedy"]
     return "\n".join(
         [
-            "# measured on the testbed: accept, experts, p90, uniform, recall, lossless",
+            "# measured on the testbed: accept, experts, p90, uniform, recall, predict_ms "
+            "(expert prediction per verify step, this machine), lossless; "
+            "pred, pred_raw: acceptance length forecast each step by the calibrated and the "
+            "raw draft probabilities",
             "# predicted for the profile (MoESD model on a roofline prior, not measured): "
             "prof_exp, GB/step, verify_ms, speedup",
             f"testbed    target {cfg['target']}, draft {cfg['draft']}: {tb['num_layers']} MoE "
@@ -86,7 +93,8 @@ def preamble(report: dict) -> str:
             f"batch {cfg['batch_size']}, {cfg['max_new_tokens']} new tokens",
             f"tree       topk {cfg['topk']}, {cfg['steps']} steps ({cfg['candidates']} "
             f"candidates), predictor {cfg['predictor']}, eps {cfg['eps']:g}, shared buffer "
-            f"{'on' if cfg['share_buffer'] else 'off'}",
+            f"{'on' if cfg['share_buffer'] else 'off'}, selection by "
+            f"{'calibrated' if cfg.get('calibrated_acceptance') else 'draft'} probabilities",
             f"profile    {prof['name']} (E={prof['num_experts']}, K={prof['top_k']}, "
             f"{prof['moe_layers']} MoE layers, {prof['bytes_per_expert'] / 1e6:.2f} MB/expert) "
             f"on {hw['name']}",

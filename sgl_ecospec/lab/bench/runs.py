@@ -65,21 +65,22 @@ def run_predictor(cfg, engine):
     """The predictor a run starts with: a fresh one per run, learning over all of its
     batches, so every policy starts from the same state and sees the same prompts
     (``--predictor-file`` loaded anew, an empty online table, or "oracle")."""
-    from sgl_ecospec.predictors import OnlineExpertPredictor
+    from sgl_ecospec.predictors import ONLINE_PREDICTORS, make_predictor
 
     if cfg.predictor_file:
         return load_run_predictor(cfg, engine)
-    if cfg.predictor == "online":
-        return OnlineExpertPredictor(
-            engine.num_layers, engine.num_experts, engine.top_k, device=cfg.device
-        )
+    if cfg.predictor in ONLINE_PREDICTORS:
+        # The hashed online table needs no vocabulary size; the others give each token a row.
+        vocab = None if cfg.predictor == "online" else engine.target.config.vocab_size
+        shape = (engine.num_layers, engine.num_experts, engine.top_k)
+        return make_predictor(cfg.predictor, *shape, vocab_size=vocab, device=cfg.device)
     return cfg.predictor
 
 
 def load_run_predictor(cfg, engine):
     """``--predictor-file`` loaded for ``engine``'s target and draft, and of the kind
     ``--predictor`` names (a head, or an online table to start from)."""
-    from sgl_ecospec.predictors import LowRankExpertHead, load_predictor
+    from sgl_ecospec.predictors import ContextExpertPredictor, LowRankExpertHead, load_predictor
 
     predictor = load_predictor(
         cfg.predictor_file,
@@ -89,12 +90,16 @@ def load_run_predictor(cfg, engine):
         top_k=engine.top_k,
         hidden_size=engine.draft.config.hidden_size,
     )
-    is_head = isinstance(predictor, LowRankExpertHead)
-    if is_head != (cfg.predictor == "head"):
-        kind = "a LowRankExpertHead" if is_head else "an online predictor table"
+    if isinstance(predictor, LowRankExpertHead):
+        kind, names = "a LowRankExpertHead", ("head",)
+    elif isinstance(predictor, ContextExpertPredictor):
+        kind, names = "a context predictor table", ("vocab", "context")
+    else:
+        kind, names = "an online predictor table", ("online",)
+    if cfg.predictor not in names:
         raise ValueError(
             f"--predictor-file {cfg.predictor_file!r} holds {kind}; pass --predictor "
-            f"{'head' if is_head else 'online'}"
+            f"{' or '.join(names)}"
         )
     return predictor
 

@@ -20,6 +20,12 @@ greedily (no speculation, the baseline every speedup is over) and once per polic
   ``select_verify_set(policy="adaptive")`` takes
   ``ecospec``'s nodes only while they raise the step's tokens per cost, with eps and the
   step's starting account from ``selection_cost`` (primary profile, batch B).
+- ``evict`` (a peer, ``bench.peers``): confidence's choice cut per step to the prefix of
+  its order that maximises expected tokens per predicted step time, the time of the primary
+  profile at batch B depending on the number of verified tokens only (``engine.evict``).
+- ``cascade`` (a peer): confidence selection behind adaptive's gate rule per batch size,
+  profile and EP size; where open, its run is confidence's own (reused, not decoded again),
+  where closed it is the greedy run (speedup 1).
 
 With ``--paired`` the ecospec run also scores confidence's choice, and the ecospec-ep run
 ecospec's, on each of its own steps (same tree, same predictions, same buffer seed), and

@@ -7,7 +7,7 @@ import numpy as np
 
 from sgl_ecospec.costmodel import formulas
 from sgl_ecospec.costmodel.scaling import effective_tokens
-from sgl_ecospec.lab.bench import ep_cost
+from sgl_ecospec.lab.bench import ep_cost, peers
 from sgl_ecospec.lab.bench.runs import performance_model
 from sgl_ecospec.lab.config import SWEEP_POLICIES as POLICIES
 from sgl_ecospec.lab.config import SweepConfig
@@ -72,7 +72,8 @@ def selection_configs(cfg: SweepConfig, batch: int, root_union: float, testbed: 
         testbed: ``{"num_layers", "num_experts", "top_k"}`` of the target.
 
     Returns:
-        policy -> dict of ``SpecConfig`` fields (see the module docstring).
+        policy -> dict of ``SpecConfig`` fields (see the module docstring); those of the
+        policies ``cfg`` does not run too.
     """
     from sgl_ecospec.costmodel import selection_cost
 
@@ -105,6 +106,12 @@ def selection_configs(cfg: SweepConfig, batch: int, root_union: float, testbed: 
             "step_tokens": cost.step_tokens,
             "step_cost": cost.step_cost,
         },
+        "evict": {
+            **base,
+            **peers.spec_fields("evict", perf, batch, budget, cfg.steps),
+        },
+        # Where its gate is open cascade decodes as confidence does (sweep_run reuses that run).
+        "cascade": {**base, **peers.spec_fields("cascade", perf, batch, budget, cfg.steps)},
     }
     ranks = max(cfg.ep_sizes)
     if ranks > 1:
@@ -122,7 +129,8 @@ def selection_configs(cfg: SweepConfig, batch: int, root_union: float, testbed: 
 
 def selection_record(kwargs: dict) -> dict:
     """The cost-model constants a run selected with (JSON-ready)."""
-    record = {k: kwargs[k] for k in ("eps", "step_tokens", "step_cost", "num_ranks") if k in kwargs}
+    names = ("eps", "step_tokens", "step_cost", "num_ranks", "evict_seconds")
+    record = {k: kwargs[k] for k in names if k in kwargs}
     if "layer_weights" in kwargs:
         record["layer_weight"] = kwargs["layer_weights"][0]
     return record

@@ -40,7 +40,21 @@ METHOD = {
         "adaptive run at that batch size too; otherwise adaptive is the greedy run (speedup "
         "1; rule_speedup: the run's own prediction when it closed the gate)"
     ),
+    "evict": (
+        "EVICT's rule: per step, confidence's choice cut to the prefix of its order that "
+        "maximises (1 + sum of the prefix's draft probabilities) / predicted step seconds, the "
+        "seconds of the primary profile at each batch size with uniform-routing experts (they "
+        "depend on the number of verified tokens only)"
+    ),
+    "cascade_gate": (
+        "cascade is confidence selection behind adaptive's gate rule: per (batch size, "
+        "profile, EP size) it speculates only where confidence, measured at that batch size, "
+        "is predicted faster than no speculation (its run is then confidence's own); "
+        "otherwise it is the greedy run (speedup 1)"
+    ),
 }
+# The policies adaptive must match (the issue's bar), besides no speculation.
+PEERS = ("confidence", "evict", "cascade")
 LINE_STATUS = {"yes": "lossless", "tie": "lossless up to near ties", "NO": "NOT LOSSLESS"}
 # Batch sizes where EcoSpec is meant to keep its expert reduction (the issue's bar).
 SMALL_BATCHES = (1, 2, 4, 8)
@@ -74,6 +88,8 @@ def checks(rep: dict) -> dict:
     - ``adaptive_not_slower``: adaptive's speedup >= 1 at every (batch, profile, EP).
     - ``adaptive_within_noise_of_confidence``: adaptive's speedup >= confidence's minus
       twice the combined standard error (``ep_cost.predicted_speedup``).
+    - ``adaptive_not_below_peers``: adaptive's speedup >= the best of no speculation (1)
+      and the peers run (confidence, evict, cascade) minus one combined standard error.
     - ``ecospec_expert_reduction``: at batch sizes 1-8, ecospec's testbed experts per layer
       per step below confidence's.
     - ``ecospec_ep_lowers_busiest_rank``: at the largest EP size, ecospec-ep's busiest-rank
@@ -117,6 +133,24 @@ def checks(rep: dict) -> dict:
                 | {"noise": noise, "passed": margin >= -noise}
             )
     verdict("adaptive_within_noise_of_confidence", {"adaptive", "confidence"}, detail)
+
+    detail = []
+    peers = [p for p in PEERS if p in policies]
+    if "adaptive" in policies:
+        for b, p, r in keys:
+            ours = rows[b, "adaptive", p, r]
+            best = max(
+                [("none", {"speedup": 1.0, "speedup_stderr": 0.0})]
+                + [(q, rows[b, q, p, r]) for q in peers],
+                key=lambda item: item[1]["speedup"],
+            )
+            noise = math.hypot(ours["speedup_stderr"], best[1]["speedup_stderr"])
+            margin = ours["speedup"] - best[1]["speedup"]
+            detail.append(
+                {"batch_size": b, "profile": p, "ep_size": r, "best": best[0]}
+                | {"difference": margin, "noise": noise, "passed": margin >= -noise}
+            )
+    verdict("adaptive_not_below_peers", {"adaptive"}, detail)
 
     detail = []
     runs = {(e["batch_size"], e["policy"]): e for e in rep["runs"]}
@@ -187,6 +221,7 @@ def run_line(entry: dict) -> str:
         f"experts {entry['experts_per_layer_step']:.2f}"
         + (f", busiest {busiest}" if busiest else "")
         + _paired_cells(entry)
+        + (f" ({entry['same_run_as']}'s run)" if "same_run_as" in entry else "")
         + f", {LINE_STATUS[metrics.lossless_status(entry)]}"
         f", {entry['wall_seconds']:.0f} s"
     )

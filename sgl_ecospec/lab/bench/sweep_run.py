@@ -1,5 +1,6 @@
 """The sweep's runs: greedy and every policy at every batch size on the engine, each run
-priced per profile and EP size, and adaptive's gate (``sgl-ecospec sweep``, docs/bench.md)."""
+priced per profile and EP size, and the gate of adaptive and cascade (``sgl-ecospec sweep``,
+docs/bench.md)."""
 
 import math
 import sys
@@ -8,6 +9,7 @@ import time
 import numpy as np
 
 from sgl_ecospec.lab.bench import ep_cost, metrics
+from sgl_ecospec.lab.bench.peers import utility_gate
 from sgl_ecospec.lab.bench.runs import (
     OutputCheck,
     Progress,
@@ -24,7 +26,7 @@ from sgl_ecospec.lab.bench.sweep_plan import (
     selection_record,
 )
 from sgl_ecospec.lab.bench.sweep_report import checks, new_report, run_line
-from sgl_ecospec.lab.config import SweepConfig
+from sgl_ecospec.lab.config import GATED_POLICIES, SweepConfig
 from sgl_ecospec.lab.datasets import render_chat
 
 
@@ -141,12 +143,6 @@ def no_speculation_row(greedy: dict, ar) -> dict:
     }
 
 
-def adaptive_gate(confidence_rows: dict) -> dict:
-    """(profile, EP size) -> whether adaptive may speculate there: where confidence
-    selection, measured at the same batch size, is predicted faster than no speculation."""
-    return {key: row["speedup"] > 1.0 for key, row in confidence_rows.items()}
-
-
 def batch_results(policies, keys, run_policy, price, no_speculation) -> tuple[dict, dict]:
     """Every policy's run entry and priced rows at one batch size, keyed by policy.
 
@@ -154,17 +150,19 @@ def batch_results(policies, keys, run_policy, price, no_speculation) -> tuple[di
         policies: the policies to run, in any order: the result does not depend on it.
         keys: the (profile, EP size) pairs to price.
         run_policy: ``(policy, gate) -> (entry, steps)`` runs the policy (``gate``: None, or
-            adaptive's per key); ``steps`` is None for a run the closed gate skipped.
+            per key for a gated policy, adaptive or cascade); ``steps`` is None for a run the
+            closed gate skipped.
         price: ``(entry, steps, key) -> row`` of a run that speculated.
         no_speculation: ``key -> row`` of the greedy run.
 
-    adaptive's gate reads confidence's rows from the results keyed by policy, so adaptive
-    runs after the policies it reads; where its own run is predicted no faster either, its
-    bucket turns off (the row is the greedy one, ``rule_speedup`` keeps the run's figure).
+    The gate (``peers.utility_gate``) reads confidence's rows from the results keyed by
+    policy, so the gated policies run after the others; where a gated policy's own run is
+    predicted no faster either, its bucket turns off (the row is the greedy one,
+    ``rule_speedup`` keeps the run's figure).
     """
     entries, rows = {}, {}
-    for policy in sorted(policies, key=lambda p: p == "adaptive"):  # the gate's inputs first
-        gate = adaptive_gate(rows["confidence"]) if policy == "adaptive" else None
+    for policy in sorted(policies, key=lambda p: p in GATED_POLICIES):  # the gate's inputs first
+        gate = utility_gate(rows["confidence"]) if policy in GATED_POLICIES else None
         entry, steps = run_policy(policy, gate)
         rows[policy] = {}
         for key in keys:
@@ -173,7 +171,7 @@ def batch_results(policies, keys, run_policy, price, no_speculation) -> tuple[di
             else:
                 row = price(entry, steps, key)
                 if gate is not None and row["speedup"] <= 1.0:
-                    # adaptive's own run at B is no faster: its bucket turns off.
+                    # the gated policy's own run at B is no faster: its bucket turns off.
                     entry["speculates"][key[0]][str(key[1])] = False
                     row = {**no_speculation(key), "rule_speedup": row["speedup"]}
             rows[policy][key] = row
@@ -206,6 +204,7 @@ def run_batch(cfg: SweepConfig, engine, batch: int, groups, prompts, perfs, prog
         for key, perf in perfs.items()
     }
     configs = selection_configs(cfg, batch, root_union, testbed)
+    decoded = {}  # policy -> (entry, steps) of the runs that decoded
 
     def run_policy(policy, gate):
         entry = {"batch_size": batch, "policy": policy}
@@ -219,6 +218,13 @@ def run_batch(cfg: SweepConfig, engine, batch: int, groups, prompts, perfs, prog
             progress.bar.update(len(groups))
             progress.write(f"batch {batch:3d} {policy:<10} not run: gate closed", out)
             return entry, None
+        if policy == "cascade":  # where open, cascade decodes exactly as confidence does
+            confidence, spec_steps = decoded["confidence"]
+            entry.update({k: v for k, v in confidence.items() if k not in entry})
+            entry["same_run_as"] = "confidence"
+            progress.bar.update(len(groups))
+            progress.write(run_line(entry), out)
+            return entry, spec_steps
         label = f"batch {batch} {policy}"
         against = PAIRED_AGAINST.get(policy) if cfg.paired else None
         spec_steps, measured = speculative_run(
@@ -243,6 +249,7 @@ def run_batch(cfg: SweepConfig, engine, batch: int, groups, prompts, perfs, prog
         progress.write(run_line(entry), out)
         for message in entry["mismatches"]:
             progress.write(f"warning: not lossless: {label}: {message}", sys.stderr)
+        decoded[policy] = entry, spec_steps
         return entry, spec_steps
 
     def price(entry, spec_steps, key):

@@ -5,6 +5,7 @@ import dataclasses
 import torch
 
 from sgl_ecospec.lab.engine.drafter import TREE_ATTENTION
+from sgl_ecospec.lab.engine.evict import EVICT
 from sgl_ecospec.lab.engine.tree import num_candidates
 from sgl_ecospec.ops.selection import SelectionOptions
 
@@ -20,7 +21,8 @@ class SpecConfig:
             (num_steps - 1) * topk^2 ("adaptive" may select fewer); SGLang's
             ``--speculative-num-draft-tokens`` is budget + 1 (:attr:`num_draft_tokens`).
         policy: selection policy of :func:`sgl_ecospec.select_verify_set`: "confidence"
-            (SGLang's own choice), "ecospec" or "adaptive".
+            (SGLang's own choice), "ecospec" or "adaptive"; or "evict", the benchmark's
+            EVICT peer: confidence's choice cut to its best prefix (``engine.evict``).
         eps: EcoSpec's eps in P / (DeltaCost + eps), in expert loads
             (``costmodel.selection_cost`` derives it).
         share_buffer: one expert buffer for the whole batch (see ``select_verify_set``).
@@ -40,6 +42,18 @@ class SpecConfig:
             candidate (1: the bonus token).
         step_cost: > 0, "adaptive" (required there): a request's share of the step's cost
             before any candidate, in the units of eps.
+        evict_seconds: "evict" (required there, and only there): budget + 1 predicted
+            seconds > 0 of a step in which every request verifies its root and k
+            candidates, k = 0..budget (``bench.peers.evict_step_seconds``).
+        calibrated_acceptance: selection weighs each candidate by its calibrated probability
+            of being accepted, learnt online from the verify results
+            (``sgl_ecospec.acceptance``), instead of its cumulative draft probability. The
+            output stays the target's own either way.
+        recall_weighted_cost: DeltaCost trusts only what the expert predictor knows: each
+            layer weighted by the predictor's live recall above chance, and the experts it
+            misses, which every candidate brings alike, added to eps
+            (``engine.predictor_inputs.recall_weighted_selection``); as recall falls,
+            "ecospec" approaches "confidence".
 
     E and L are checked against the target when the engine runs.
     """
@@ -57,6 +71,9 @@ class SpecConfig:
     total_weight: float | None = None
     step_tokens: float = 1.0
     step_cost: float | None = None
+    evict_seconds: tuple[float, ...] | None = None
+    calibrated_acceptance: bool = False
+    recall_weighted_cost: bool = False
     selection_options: SelectionOptions = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -75,7 +92,7 @@ class SpecConfig:
             self,
             "selection_options",
             SelectionOptions(
-                self.policy,
+                "confidence" if self.policy == EVICT else self.policy,
                 self.eps,
                 self.share_buffer,
                 self.total_weight,
@@ -83,6 +100,14 @@ class SpecConfig:
                 self.step_cost,
             ),
         )
+        if not isinstance(self.recall_weighted_cost, bool):
+            raise TypeError(
+                f"recall_weighted_cost must be a bool, got {self.recall_weighted_cost!r}"
+            )
+        if not isinstance(self.calibrated_acceptance, bool):
+            raise TypeError(
+                f"calibrated_acceptance must be a bool, got {self.calibrated_acceptance!r}"
+            )
         if self.tree_attention not in TREE_ATTENTION:
             raise ValueError(
                 f"tree_attention must be one of {TREE_ATTENTION}, got {self.tree_attention!r}"
@@ -90,6 +115,21 @@ class SpecConfig:
         if self.layer_weights is not None:
             object.__setattr__(self, "layer_weights", _layer_weights(self.layer_weights))
         self._check_placement()
+        self._check_evict_seconds()
+
+    def _check_evict_seconds(self):
+        if self.policy != EVICT:
+            if self.evict_seconds is not None:
+                raise ValueError(f"evict_seconds is for policy 'evict', not {self.policy!r}")
+            return
+        seconds = tuple(float(s) for s in self.evict_seconds or ())
+        if len(seconds) != self.budget + 1 or not all(0 < s < float("inf") for s in seconds):
+            raise ValueError(
+                f"policy 'evict' needs evict_seconds: budget + 1 = {self.budget + 1} finite "
+                f"step seconds > 0 (k = 0..budget candidates per request), got "
+                f"{self.evict_seconds!r}"
+            )
+        object.__setattr__(self, "evict_seconds", seconds)
 
     def _check_placement(self):
         if self.expert_rank is None:

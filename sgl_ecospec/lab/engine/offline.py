@@ -8,16 +8,22 @@ One speculative step for a batch (all requests in lockstep, as SGLang's worker r
    layer (the oracle first runs the target over the whole tree to learn the truth);
 3. select: ``select_verify_set`` picks num_draft_tokens - 1 ancestor-closed candidates per
    request (policy "confidence" is SGLang's ``organize_draft_results``; "adaptive" may pick
-   fewer, down to none), with the spec's eps, layer weights, EP placement and adaptive
-   account;
+   fewer, down to none; "evict" cuts confidence's choice to its best prefix,
+   ``engine.evict``), with the spec's eps, layer weights, EP placement and adaptive
+   account; P is the draft's cumulative probability, or with ``calibrated_acceptance`` the
+   calibrated acceptance probability (``sgl_ecospec.acceptance``);
 4. verify: one target forward over root + selected rows, tree-masked over the KV cache,
    capturing logits, EAGLE-3 aux states and per-layer routing;
 5. accept: the longest path whose tokens equal the target's argmax, plus the bonus token;
    the target cache keeps exactly the root and the accepted tokens;
 6. record and learn: accepted counts, distinct experts per layer over all verified tokens
    of the batch (and their union bitmap, for per-rank loads), predictor recall on them;
-   the predictor observes their routing (with their draft states); with a paired
-   selection (``compare``), the true expert unions of both verify sets (below);
+   the predictor observes their routing (with their draft states, and their parent tokens
+   for predictors that read context, ``engine.predictor_inputs``) and its live recall per
+   layer is updated (``SpecConfig.recall_weighted_cost`` selects with it); the acceptance
+   calibrator learns which verified nodes were accepted, after the step recorded its
+   predicted accepted tokens (raw and calibrated); with a paired selection (``compare``),
+   the true expert unions of both verify sets (below);
 7. draft extend: the draft reads the accepted rows' aux states, which seeds the next root.
 
 Paired selections. ``generate_speculative(..., compare=other_spec)`` also runs
@@ -36,11 +42,21 @@ from collections.abc import Callable
 import torch
 from transformers import AutoTokenizer
 
+from sgl_ecospec.acceptance import AcceptanceCalibrator
 from sgl_ecospec.lab.eagle3 import Eagle3Draft
+from sgl_ecospec.lab.engine.calibration import predicted_acceptance, resolve_calibrator
 from sgl_ecospec.lab.engine.config import SpecConfig
 from sgl_ecospec.lab.engine.drafter import Drafter
+from sgl_ecospec.lab.engine.evict import EVICT, evict_step
 from sgl_ecospec.lab.engine.kvcache import BatchKVCache, padded_causal_mask
 from sgl_ecospec.lab.engine.oracle import OracleExpertPredictor
+from sgl_ecospec.lab.engine.predictor_inputs import (
+    last_prompt_tokens,
+    next_root_context,
+    recall_weighted_selection,
+    record_recall,
+    verified_context,
+)
 from sgl_ecospec.lab.engine.requests import Requests
 from sgl_ecospec.lab.engine.stats import GreedyResult, SpecResult, StepStats, union_bitmap
 from sgl_ecospec.lab.engine.target import TargetModel
@@ -152,6 +168,7 @@ class OfflineEngine:
         predictor: ExpertPredictor | str = "online",
         progress: Callable[[StepStats], None] | None = None,
         compare: SpecConfig | None = None,
+        calibrator: AcceptanceCalibrator | None = None,
     ) -> SpecResult:
         """Tree speculative decoding; greedy, so outputs equal :meth:`generate_greedy`'s.
 
@@ -168,6 +185,9 @@ class OfflineEngine:
                 ``paired_scores`` (one extra target forward over the whole tree per step,
                 shared with the oracle's). Its tree growth (topk, num_steps,
                 tree_attention) must be ``spec``'s.
+            calibrator: the acceptance calibrator (used and updated in place, so it can
+                carry over between calls), or None for a fresh one; it learns whether or
+                not ``spec.calibrated_acceptance`` lets selection read it.
 
         Returns:
             outputs, one :class:`StepStats` per verify step, and the predictor's recall
@@ -178,6 +198,7 @@ class OfflineEngine:
         selection = self._selection_arguments(spec)
         paired = None if compare is None else self._paired_arguments(spec, compare)
         predictor = self._resolve_predictor(predictor)
+        calibrator = resolve_calibrator(calibrator, spec.num_steps, self.device)
         requests = Requests(len(prompts), max_new_tokens, self.eos_token_ids)
         if not requests.active:
             return SpecResult(requests.outputs, [], None)
@@ -192,15 +213,17 @@ class OfflineEngine:
         next_tokens.scatter_(1, (lengths - 1)[:, None], roots[:, None])
         drafter.extend(next_tokens, aux, lengths)
         rows = requests.emit(roots[:, None].tolist())
+        root_context = last_prompt_tokens(prompts, self.device)  # [B]: the token before each root
         steps = []
         while requests.active:
             if rows is not None:
                 cache.select(rows)
                 drafter.select(rows)
-                roots = roots[rows]
-            step, roots, new_tokens = self._speculative_step(
-                spec, selection, predictor, drafter, cache, roots, paired
+                roots, root_context = roots[rows], root_context[rows]
+            step, next_roots, new_tokens = self._speculative_step(
+                spec, selection, predictor, drafter, cache, roots, paired, calibrator, root_context
             )
+            root_context, roots = next_root_context(roots, new_tokens), next_roots
             step.request_ids = list(requests.active)
             steps.append(step)
             if progress is not None:
@@ -216,7 +239,9 @@ class OfflineEngine:
         drafter: Drafter,
         cache: BatchKVCache,
         roots: torch.Tensor,
-        paired: tuple[int, dict] | None = None,
+        paired: tuple[int, dict] | None,
+        calibrator: AcceptanceCalibrator,
+        root_context: torch.Tensor | None = None,
     ) -> tuple[StepStats, torch.Tensor, list[list[int]]]:
         """Draft, select, verify, accept, record, learn and draft-extend once.
 
@@ -225,6 +250,9 @@ class OfflineEngine:
                 ``spec`` (``_selection_arguments``).
             roots: int64 ``[B]``: each request's last verified token (not yet in the cache).
             paired: (budget, selection keywords) of the compared selection, or None.
+            calibrator: the acceptance calibrator; learns from this step's verify result.
+            root_context: int64 ``[B]``: the token before each root (for predictors that
+                read context), or None (unknown).
 
         Returns:
             the step's stats, the next roots ``[B]`` and each request's new tokens (accepted
@@ -243,19 +271,25 @@ class OfflineEngine:
         if isinstance(predictor, OracleExpertPredictor):
             predictor.prime(tokens.flatten(), truth.flatten(0, 1))
         options, extra = selection
+        if spec.recall_weighted_cost:
+            options, extra = recall_weighted_selection(predictor, options, extra, self.device)
+        calibrated = calibrator.calibrate(tree.scores, tree.parents, validate=False)  # [B, N]
         chosen = select_step(
             predictor,
             tokens,
-            tree.scores,
+            calibrated if spec.calibrated_acceptance else tree.scores,
             tree.parents,
             spec.budget,
             options,
             states=hidden,
+            root_context=root_context,
             **extra,
         )
+        if spec.policy == EVICT:
+            chosen = evict_step(chosen, spec.evict_seconds)
         selected = chosen.selected
-        # "adaptive" may select fewer than the budget (-1 padding): padding rows run in
-        # the forward but see only themselves, are never accepted and are not counted.
+        # "adaptive" and "evict" may select fewer than the budget (-1 padding): padding rows
+        # run in the forward but see only themselves, are never accepted and are not counted.
         verify = build_verify_tree(roots, tree, selected)
         out = self.target.forward(
             verify.tokens, cache.lengths[:, None] + verify.depth, cache, verify.mask
@@ -271,12 +305,21 @@ class OfflineEngine:
         batch = batch_index(selected)
         rows = verify_rows(selected)
         recall = topk_recall(chosen.verify_predicted[verify.valid], routing, self.num_experts)
+        record_recall(predictor, chosen.verify_predicted[verify.valid], routing)
         row_hidden = None if hidden is None else hidden[batch, rows][verify.valid]  # [verified, H]
-        predictor.observe(verify.tokens[verify.valid], routing, row_hidden, validate=False)
+        context = verified_context(chosen, verify.valid)  # the rows' parent tokens, if read
+        predictor.observe(
+            verify.tokens[verify.valid], routing, row_hidden, validate=False, **context
+        )
+
+        predicted = predicted_acceptance(tree.scores, calibrated, selected)
+        calibrator.observe(tree.scores, tree.parents, selected, path, validate=False)
 
         cache.commit(path)
         drafter.extend(emitted, out.aux[batch, path.clamp_min(0)], counts)
-        step = _step_stats(routing, self.num_experts, accepted=(counts - 1).tolist(), recall=recall)
+        step = _step_stats(
+            routing, self.num_experts, accepted=(counts - 1).tolist(), recall=recall, **predicted
+        )
         if paired is not None:
             budget, (options, extra) = paired
             other = chosen.reselect(budget, options, **extra)

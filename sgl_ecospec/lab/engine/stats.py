@@ -33,6 +33,11 @@ class StepStats:
             the same tree, both from one target pass over the whole tree.
         paired_scores: with ``paired_bitmaps``: the two sets' summed cumulative draft
             probabilities (the draft's estimate of the accepted tokens each can yield).
+        predicted_accepted: per request, the draft tokens its verify set was expected to
+            get accepted under the calibrated acceptance probabilities, as they stood before
+            this step's result was learnt (``sgl_ecospec.acceptance``); None when not
+            recorded.
+        predicted_accepted_raw: the same under the raw cumulative draft probabilities.
     """
 
     batch_size: int
@@ -44,6 +49,8 @@ class StepStats:
     expert_bitmap: torch.Tensor | None = None
     paired_bitmaps: torch.Tensor | None = None
     paired_scores: list[float] | None = None
+    predicted_accepted: list[float] | None = None
+    predicted_accepted_raw: list[float] | None = None
 
     def busiest_rank_experts(self, expert_rank: torch.Tensor, num_ranks: int) -> list[int]:
         """Per MoE layer, the most experts of the step's union that one EP rank holds.

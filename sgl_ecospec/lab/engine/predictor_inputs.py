@@ -1,0 +1,65 @@
+"""What the offline engine gives the expert predictor besides the candidate tokens: each
+row's context (its parent token), the live recall measured on every verify step, and the
+recall-weighted selection cost (``SpecConfig.recall_weighted_cost``).
+
+Shape legend: B = requests, N = candidates, S = budget, T = verified rows, L = MoE layers,
+K = experts per token.
+"""
+
+import torch
+
+from sgl_ecospec.predictors import ExpertPredictor, LiveRecall
+from sgl_ecospec.step import SelectionOptions, StepSelection, batch_index, verify_rows
+
+
+def last_prompt_tokens(prompts: list[list[int]], device) -> torch.Tensor:
+    """int64 ``[B]``: each prompt's last token, the context of the first root."""
+    return torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=device)
+
+
+def next_root_context(roots: torch.Tensor, new_tokens: list[list[int]]) -> torch.Tensor:
+    """int64 ``[B]``: the token before each next root (the last of ``new_tokens``): the one
+    before it in ``new_tokens``, or the current root ``roots [B]`` when only the bonus token
+    was added."""
+    before = [tokens[-2] if len(tokens) > 1 else -1 for tokens in new_tokens]
+    known = torch.tensor(before, dtype=torch.int64, device=roots.device)
+    return torch.where(known >= 0, known, roots)
+
+
+def verified_context(chosen: StepSelection, valid: torch.Tensor) -> dict:
+    """``{"context_tokens": int64 [T]}``, the parent tokens of the verified rows (``valid``
+    bool ``[B, 1 + S]`` marks them), for a predictor that reads context; ``{}`` otherwise."""
+    if chosen.context is None:
+        return {}
+    rows = verify_rows(chosen.selected)
+    return {"context_tokens": chosen.context[batch_index(rows), rows][valid]}
+
+
+def record_recall(
+    predictor: ExpertPredictor, predicted: torch.Tensor, routing: torch.Tensor
+) -> None:
+    """Adds a verify step to the predictor's :class:`LiveRecall` (attached on first use):
+    ``predicted`` and ``routing`` int ``[T, L, K]`` of the verified rows."""
+    LiveRecall.of(predictor, routing.device).update(predicted, routing)
+
+
+def recall_weighted_selection(
+    predictor: ExpertPredictor, options: SelectionOptions, extra: dict, device
+) -> tuple[SelectionOptions, dict]:
+    """The step's selection with DeltaCost trusting only what the predictor knows: each
+    layer weighted by its live trust (``LiveRecall.layer_weights``, times the configured
+    layer weights) and the experts the predictor misses, which every candidate brings alike,
+    added to eps (``LiveRecall.unpredicted_cost``). A cold or useless predictor gets weight 0
+    and a large eps: selection by confidence.
+
+    Args:
+        options: the spec's options; extra: ``select_step``'s tensor keywords (its
+            ``layer_weights`` float ``[L]``, if any, is the base).
+
+    Reading the unpredicted cost into eps is one host sync per step (the engine syncs every
+    step anyway); the layer weights stay on the device.
+    """
+    live = LiveRecall.of(predictor, device)
+    base = extra.get("layer_weights")
+    weighted = {**extra, "layer_weights": live.layer_weights(base)}
+    return options.with_eps(options.eps + float(live.unpredicted_cost(base))), weighted

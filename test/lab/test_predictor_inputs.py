@@ -1,0 +1,131 @@
+"""What the engine hands the expert predictor (sgl_ecospec/lab/engine/predictor_inputs.py,
+``sgl_ecospec.step.tree_context``) and the recall-weighted selection cost."""
+
+import pytest
+import torch
+
+from sgl_ecospec.lab.engine import SpecConfig
+from sgl_ecospec.lab.engine.predictor_inputs import (
+    next_root_context,
+    recall_weighted_selection,
+    verified_context,
+)
+from sgl_ecospec.ops.selection import SelectionOptions
+from sgl_ecospec.predictors import ContextExpertPredictor, LiveRecall, OnlineExpertPredictor
+from sgl_ecospec.step import select_step, tree_context
+
+L, E, K, V = 4, 16, 2, 64
+
+
+def test_tree_context_is_each_rows_parent_token():
+    tokens = torch.tensor([[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]])
+    parents = torch.tensor([[-1, -1, 0, 2], [-1, 0, 1, -1]])
+    got = tree_context(tokens, parents, torch.tensor([9, 19]))
+    assert got.tolist() == [[9, 10, 10, 11, 13], [19, 20, 21, 22, 20]]
+    assert tree_context(tokens, parents)[:, 0].tolist() == [-1, -1]
+
+
+class ContextSpy(ContextExpertPredictor):
+    def predict_topk(self, token_ids, hidden=None, *, validate=False, context_tokens=None):
+        self.seen = context_tokens
+        return super().predict_topk(token_ids, hidden, context_tokens=context_tokens)
+
+
+def tree(batch=2, candidates=6, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, V, (batch, 1 + candidates), generator=gen)
+    scores = torch.rand(batch, candidates, generator=gen)
+    parents = torch.tensor([[-1, -1, 0, 0, 1, 2]] * batch)[:, :candidates]
+    scores = torch.where(parents >= 0, scores * 0.5, scores)  # children below their parents
+    return tokens, scores, parents
+
+
+def test_select_step_hands_context_only_to_predictors_that_read_it():
+    tokens, scores, parents = tree()
+    spy = ContextSpy(L, E, K, vocab_size=V, pair_buckets=16)
+    options = SelectionOptions("ecospec")
+    step = select_step(spy, tokens, scores, parents, 3, options, root_context=torch.tensor([5, 6]))
+    assert torch.equal(step.context, tree_context(tokens, parents, torch.tensor([5, 6])))
+    assert torch.equal(spy.seen, step.context.flatten())
+    plain = select_step(OnlineExpertPredictor(L, E, K), tokens, scores, parents, 3, options)
+    assert plain.context is None and verified_context(plain, torch.ones(2, 4, dtype=bool)) == {}
+    valid = torch.ones(2, 4, dtype=torch.bool)
+    rows = torch.cat([torch.zeros(2, 1, dtype=torch.long), 1 + step.selected], 1)
+    want = step.context.gather(1, rows).flatten()
+    assert torch.equal(verified_context(step, valid)["context_tokens"], want)
+
+
+def test_next_root_context_is_the_token_before_the_new_root():
+    roots = torch.tensor([7, 8, 9])
+    got = next_root_context(roots, [[1, 2, 3], [4], [5, 6]])
+    assert got.tolist() == [2, 8, 5]
+
+
+def trained_online(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    predictor = OnlineExpertPredictor(L, E, K, num_buckets=V)
+    topk = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(V * L)])
+    predictor.observe(torch.arange(V), topk.view(V, L, K))
+    return predictor
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cold_trust_selects_as_confidence_and_full_trust_as_ecospec(seed):
+    tokens, scores, parents = tree(batch=3, seed=seed)
+    predictor = trained_online(seed)
+    options = SelectionOptions("ecospec", eps=0.1, share_buffer=True)
+    confidence = select_step(
+        predictor, tokens, scores, parents, 3, SelectionOptions("confidence")
+    ).selected
+    ecospec = select_step(predictor, tokens, scores, parents, 3, options).selected
+
+    cold, extra = recall_weighted_selection(predictor, options, {}, "cpu")
+    assert cold.eps == pytest.approx(0.1 + L * K * (1 - K / E))
+    assert torch.equal(extra["layer_weights"], torch.zeros(L))
+    got = select_step(predictor, tokens, scores, parents, 3, cold, **extra).selected
+    assert torch.equal(got, confidence)
+
+    predictor.live_recall.ema.fill_(1.0)  # a perfect predictor is trusted fully
+    trusted, extra = recall_weighted_selection(predictor, options, {}, "cpu")
+    assert trusted.eps == pytest.approx(0.1) and extra["layer_weights"].tolist() == [1.0] * L
+    got = select_step(predictor, tokens, scores, parents, 3, trusted, **extra).selected
+    assert torch.equal(got, ecospec)
+
+
+def test_configured_layer_weights_scale_the_trust():
+    predictor = trained_online()
+    LiveRecall.of(predictor).ema.fill_(1.0)
+    base = torch.tensor([1.0, 0.0, 2.0, 1.0], dtype=torch.float64)
+    options, extra = recall_weighted_selection(
+        predictor, SelectionOptions("ecospec"), {"layer_weights": base}, "cpu"
+    )
+    assert extra["layer_weights"].tolist() == [1.0, 0.0, 2.0, 1.0]
+
+
+def test_spec_config_checks_the_flag():
+    assert SpecConfig(policy="ecospec", recall_weighted_cost=True).recall_weighted_cost
+    with pytest.raises(TypeError, match="recall_weighted_cost"):
+        SpecConfig(recall_weighted_cost="yes")
+
+
+def test_bench_times_each_prediction_and_reports_the_recall_per_layer():
+    from sgl_ecospec.lab.bench.predictor_replay import memory_bytes
+    from sgl_ecospec.lab.bench.predictor_stats import TimedPredictor, predictor_fields, timed
+
+    inner = ContextExpertPredictor(L, E, K, vocab_size=V, pair_buckets=16)
+    predictor = timed(inner)
+    assert isinstance(predictor, TimedPredictor) and predictor.needs_context
+    assert timed("oracle") == "oracle"
+    assert predictor_fields("oracle") == {
+        "predict_ms_per_step": None,
+        "predictor_recall_per_layer": None,
+    }
+    assert predictor.memory_bytes() == inner.memory_bytes() == memory_bytes(inner)
+    tokens, scores, parents = tree()
+    step = select_step(predictor, tokens, scores, parents, 3, SelectionOptions("ecospec"))
+    assert predictor.calls == 1 and predictor.seconds > 0
+    truth = torch.randint(0, E, (tokens.numel(), L, K))
+    LiveRecall.of(predictor).update(step.predicted.flatten(0, 1), truth)
+    fields = predictor_fields(predictor)
+    assert fields["predict_ms_per_step"] == pytest.approx(1e3 * predictor.seconds)
+    assert len(fields["predictor_recall_per_layer"]) == L
