@@ -11,6 +11,11 @@ the small testbed (Qwen2-MoE target) found two Triton kernels still run by the i
   ``sglang.kernels.ops.speculative.cache_locs``: one interpreted program per (draft step,
   request, top-k branch), building the paged KV lists of the multi-step draft decode.
 
+and, with the overlap scheduler that ECOSPEC keeps on the CPU, ``gather_spec_extras``
+(``sglang.kernels.ops.speculative``): the FutureMap's gather of each request's speculative
+relay rows, one interpreted program per request every decode step (about 8% of the busy time
+of a plainly decoding ECOSPEC scheduler).
+
 The functions here have the semantics of those kernels. The gate functions are Python
 wrappers around a Triton launch and are hooked like the attention kernels (AROUND hooks, see
 :func:`.function_hooks.around_hook`). ``generate_draft_decode_kv_indices`` is itself the
@@ -38,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 GATE_MUL_ADD_TARGET = "sglang.kernels.ops.elementwise.elementwise.fused_gate_sigmoid_mul_add"
 GATE_MUL_TARGET = "sglang.kernels.ops.elementwise.elementwise.fused_gate_sigmoid_mul"
+# Bound by name in the overlap scheduler's FutureMap, so hooked where it is looked up.
+GATHER_SPEC_EXTRAS_TARGET = "sglang.srt.managers.overlap_utils.gather_spec_extras"
 DRAFT_KV_INDICES_KERNEL = (
     "sglang.kernels.ops.speculative.cache_locs.generate_draft_decode_kv_indices"
 )
@@ -302,9 +309,35 @@ def _same_kernel_parameters(target: str, impl) -> bool:
 
 
 # wrapper function target -> (PyTorch version, its fallback predicate)
+def gather_spec_extras(
+    indices: torch.Tensor,
+    topk_p_buf: torch.Tensor,
+    topk_index_buf: torch.Tensor,
+    output_tokens_buf: torch.Tensor,
+    hidden_states_buf: torch.Tensor | None,
+):
+    """SGLang's ``gather_spec_extras``: rows ``indices`` (int ``[M]``) of each speculative
+    relay buffer (``[R, ...]``: draft top-k probabilities and ids, bonus tokens, optionally
+    hidden states), as new ``[M, ...]`` tensors of the buffers' dtypes; None for absent hidden
+    states. The overlap scheduler's FutureMap calls it every decode step."""
+    rows = indices.long()
+    hidden = None if hidden_states_buf is None else hidden_states_buf[rows]
+    return topk_p_buf[rows], topk_index_buf[rows], output_tokens_buf[rows], hidden
+
+
+def gather_fallback_reason(
+    indices, topk_p_buf, topk_index_buf, output_tokens_buf, hidden_states_buf
+) -> str | None:
+    buffers = [indices, topk_p_buf, topk_index_buf, output_tokens_buf, hidden_states_buf]
+    if any(b is not None and b.device.type != "cpu" for b in buffers):
+        return "tensors not on the CPU"
+    return None
+
+
 FUNCTIONS = {
     GATE_MUL_ADD_TARGET: (fused_gate_sigmoid_mul_add, gate_fallback_reason),
     GATE_MUL_TARGET: (fused_gate_sigmoid_mul, gate_fallback_reason),
+    GATHER_SPEC_EXTRAS_TARGET: (gather_spec_extras, gather_fallback_reason),
 }
 # Triton kernel object target -> (PyTorch version, its fallback predicate)
 LAUNCHED_KERNELS = {

@@ -124,6 +124,33 @@ def draft_inputs(case, seed=0):
     return args, kwargs, grid
 
 
+# --- speculative relay gather ------------------------------------------------------------
+
+GATHER_CASES = [
+    # name, buffer rows, gathered rows, with hidden states
+    ("hidden", 6, 4, True),
+    ("no_hidden", 5, 3, False),
+    ("repeated_rows", 4, 5, True),
+    ("no_rows", 4, 0, True),
+]
+
+
+def gather_inputs(case, seed=0):
+    """(indices int64 [M], topk_p [R, 4] float, topk_index [R, 4] int64, tokens [R] int32,
+    hidden [R, 24] bf16 or None)."""
+    _, rows, gathered, has_hidden = case
+    gen = torch.Generator().manual_seed(seed)
+    indices = torch.randint(0, rows, (gathered,), generator=gen)
+    hidden = torch.randn(rows, 24, generator=gen).to(torch.bfloat16) if has_hidden else None
+    return (
+        indices,
+        torch.rand(rows, 4, generator=gen),
+        torch.randint(0, 1000, (rows, 4), generator=gen),
+        torch.randint(0, 1000, (rows,), generator=gen, dtype=torch.int32),
+        hidden,
+    )
+
+
 def compare_with_triton() -> int:
     """Runs every case through SGLang's Triton kernel and the PyTorch version and asserts
     that they write the same tensors. Needs ``TRITON_INTERPRET=1`` from process start on a
@@ -151,13 +178,26 @@ def compare_with_triton() -> int:
         assert torch.equal(ours_args[3], args[3]), f"kv_indices {case[0]}"
         assert torch.equal(ours_args[4], args[4]), f"kv_indptr {case[0]}"
         compared += 1
+    from sglang.kernels.ops.speculative.gather_spec_extras import gather_spec_extras
+
+    for case in GATHER_CASES:
+        inputs = gather_inputs(case)
+        theirs, ours = gather_spec_extras(*inputs), kernels.gather_spec_extras(*inputs)
+        for name, a, b in zip(
+            ("topk_p", "topk_index", "tokens", "hidden"), ours, theirs, strict=True
+        ):
+            assert (a is None) == (b is None), f"{name} {case[0]}"
+            if a is not None:
+                assert a.dtype == b.dtype and torch.equal(a, b), f"{name} {case[0]}"
+        compared += 1
     return compared
 
 
 @pytest.mark.slow  # Triton interpreter, about 15 s
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs without a GPU")
 def test_pytorch_versions_match_the_triton_kernels_under_the_interpreter():
-    assert compared_under_interpreter(__file__) == len(GATE_CASES) + len(DRAFT_CASES)
+    cases = len(GATE_CASES) + len(DRAFT_CASES) + len(GATHER_CASES)
+    assert compared_under_interpreter(__file__) == cases
 
 
 # --- plain PyTorch checks (no Triton) ------------------------------------------------------
@@ -238,6 +278,19 @@ def test_launch_hook_covers_launches_and_passes_warmup_and_other_devices_on():
     assert [warmup for _, warmup, _ in runs] == [True, False]
 
 
+def test_gather_takes_the_rows_of_every_buffer():
+    indices, topk_p, topk_index, tokens, hidden = gather_inputs(GATHER_CASES[2])
+    out = kernels.gather_spec_extras(indices, topk_p, topk_index, tokens, hidden)
+    for row, source in enumerate(indices.tolist()):
+        assert torch.equal(out[0][row], topk_p[source]) and torch.equal(out[3][row], hidden[source])
+        assert out[1][row].tolist() == topk_index[source].tolist()
+        assert out[2][row] == tokens[source] and out[2].dtype == torch.int32
+    assert kernels.gather_spec_extras(indices, topk_p, topk_index, tokens, None)[3] is None
+    assert kernels.gather_fallback_reason(indices, topk_p, topk_index, tokens, None) is None
+    meta = topk_p.to("meta")
+    assert kernels.gather_fallback_reason(indices, meta, topk_index, tokens, None)
+
+
 def test_fallback_reasons():
     hidden, weight, shared, final = gate_inputs(GATE_CASES[0])
     assert kernels.gate_fallback_reason(hidden, weight, shared, final) is None
@@ -263,6 +316,7 @@ def test_register_hooks_targets_the_gate_functions_and_the_kernel_run(monkeypatc
     expected = [
         kernels.GATE_MUL_ADD_TARGET,
         kernels.GATE_MUL_TARGET,
+        kernels.GATHER_SPEC_EXTRAS_TARGET,
         kernels.DRAFT_KV_INDICES_KERNEL + ".run",
     ]
     assert kernels.register_hooks() == expected
