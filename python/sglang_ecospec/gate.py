@@ -168,8 +168,9 @@ class GatePolicy:
         self.timer = StepTimer(device)
         self.group = group
         self.metrics: GateMetrics | None = None
-        # (batch size, mode, timing, stale draft state) of each step awaiting its results
-        self._pending: collections.deque = collections.deque()
+        # (batch size, mode, timing, stale draft state) of each step awaiting its results;
+        # bounded, so steps whose results never come (none are known) cannot pile up.
+        self._pending: collections.deque = collections.deque(maxlen=64)
         self._mode = SPECULATE
         self._stale = False
 
@@ -214,11 +215,6 @@ class GatePolicy:
         if batch_size > 0:
             timing = self.timer.stop(started)
             self._pending.append((batch_size, self._mode, timing, self._stale))
-
-    @property
-    def speculating(self) -> bool:
-        """Whether the current step speculates."""
-        return self._mode == SPECULATE
 
     def export(self, collector) -> None:
         """Sets the gauges of every bucket seen (with ``--enable-metrics``, on SGLang's decode

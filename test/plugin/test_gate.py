@@ -42,7 +42,7 @@ def test_policy_speaks_sglangs_adaptive_protocol():
     assert policy.candidate_steps == [0, 3]
     assert policy.cuda_graph_bs_for_step(0) is None
     policy.set_cuda_graph_bs([1, 2, 4])
-    assert policy.get_steps_for_batch(2) == 3 and policy.speculating
+    assert policy.get_steps_for_batch(2) == 3
     with pytest.raises(ValueError, match="num-steps"):
         plugin_gate.GatePolicy(0, OPTIONS, "cpu")
 
