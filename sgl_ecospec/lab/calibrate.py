@@ -297,7 +297,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = add_command(subparsers, "calibrate", run, HELP, DESCRIPTION)
     models = parser.add_argument_group("model")
     models.add_argument(
-        "--testbed", choices=("full", "small"), default="full", help="testbed to time"
+        "--small", action="store_true", help="time the small testbed (default: the full one)"
     )
     models.add_argument("--target", metavar="DIR", help="a target checkpoint instead")
     models.add_argument(
@@ -353,10 +353,10 @@ def _models(args) -> tuple[str, str | None, str]:
         return args.target, draft, "/".join(Path(args.target).resolve().parts[-2:])
     from sgl_ecospec.lab.config import testbed_models
 
-    target, draft = testbed_models(args.testbed == "small")
+    target, draft = testbed_models(args.small)
     if args.draft is not None:
         draft = None if args.draft == "none" else args.draft
-    return target, draft, f"testbed-{args.testbed}"
+    return target, draft, f"testbed-{'small' if args.small else 'full'}"
 
 
 def run(args: argparse.Namespace) -> int:
