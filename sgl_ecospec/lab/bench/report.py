@@ -24,14 +24,12 @@ _ACCEPT_EXPERTS_P90 = (
     ("p90", 5, lambda r: r["experts_per_layer_step_p90"], "{:.1f}"),
 )
 _RECALL = ("recall", 6, lambda r: r["predictor_recall"], "{:.3f}")
-_PREDICT_MS = ("predict_ms", 10, lambda r: r.get("predict_ms_per_step"), "{:.3f}")
 _LOSSLESS = ("lossless", 8, metrics.lossless_status, "{}")
 _COLUMNS = (
     *_BUDGET_POLICY,
     *_ACCEPT_EXPERTS_P90,
     ("uniform", 7, lambda r: r["uniform_experts_per_layer_step"], "{:.2f}"),
     _RECALL,
-    _PREDICT_MS,
     _LOSSLESS,
     ("prof_exp", 8, lambda r: r["predicted"]["experts_per_layer_step"], "{:.2f}"),
     ("GB/step", 7, lambda r: r["predicted"]["expert_bytes_per_step"] / 1e9, "{:.2f}"),
@@ -81,8 +79,9 @@ def preamble(report: dict) -> str:
     greedy = report["greedy"]
     return "\n".join(
         [
-            "# measured on the testbed: accept, experts, p90, uniform, recall, predict_ms "
-            "(expert prediction per verify step, this machine), lossless; "
+            "# measured on the testbed: accept, experts, p90, uniform, recall, lossless "
+            "(the expert prediction's time per verify step, a time of this machine, is in the "
+            "JSON: predict_ms_per_step); "
             "pred, pred_raw: acceptance length forecast each step by the calibrated and the "
             "raw draft probabilities",
             "# predicted for the profile (MoESD model on a roofline prior, not measured): "
