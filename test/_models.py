@@ -92,6 +92,26 @@ def train_draft(target, sequences, steps=80):
     return draft.eval()
 
 
+def random_prompts(count, seed):
+    """``count`` prompts of 2-11 random token ids below VOCAB."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 12, (count,), generator=gen).tolist()
+    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+def tiny_engine(root, prompts, new_tokens):
+    """An ``OfflineEngine`` on a tiny target saved under ``root`` and a draft trained on the
+    target's greedy continuations (``new_tokens`` each) of ``prompts``."""
+    from sgl_ecospec.lab.engine import OfflineEngine
+
+    target = tiny_target()
+    target.save_pretrained(root / "target")
+    greedy = OfflineEngine(str(root / "target"), None).generate_greedy(prompts, new_tokens)
+    sequences = [p + o for p, o in zip(prompts, greedy.outputs, strict=True)]
+    train_draft(target, sequences).save_pretrained(root / "draft")
+    return OfflineEngine(str(root / "target"), str(root / "draft"))
+
+
 def byte_tokenizer():
     """Byte-level tokenizer (259 ids, within the tiny target's vocab of 512) with a chat
     template."""

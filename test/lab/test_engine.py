@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from _models import AUX, EXPERTS, LAYERS, TOP_K, VOCAB, tiny_target, train_draft
+from _models import AUX, EXPERTS, LAYERS, TOP_K, random_prompts, tiny_target, train_draft
 
 from sgl_ecospec.lab.engine import OfflineEngine, OracleExpertPredictor, SpecConfig
 from sgl_ecospec.lab.engine.drafter import Drafter
@@ -20,13 +20,7 @@ from sgl_ecospec.predictors import OnlineExpertPredictor
 MAX_NEW = 24
 
 
-def make_prompts(count, seed):
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(2, 12, (count,), generator=gen).tolist()
-    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
-
-
-PROMPTS = make_prompts(3, seed=1)
+PROMPTS = random_prompts(3, seed=1)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -45,7 +39,7 @@ def setup(tmp_path_factory):
     target = tiny_target()
     target.save_pretrained(root / "target")
     engine = OfflineEngine(str(root / "target"), None)
-    prompts = PROMPTS + make_prompts(3, seed=2)
+    prompts = PROMPTS + random_prompts(3, seed=2)
     greedy = engine.generate_greedy(prompts, MAX_NEW + 8)
     train_draft(
         target, [p + o for p, o in zip(prompts, greedy.outputs, strict=True)]

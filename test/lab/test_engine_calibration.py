@@ -4,36 +4,23 @@ tokens recorded (raw and calibrated), one calibrator learning across calls."""
 
 import pytest
 import torch
-from _models import VOCAB, tiny_target, train_draft
+from _models import random_prompts, tiny_engine
 
 from sgl_ecospec.acceptance import AcceptanceCalibrator
 from sgl_ecospec.lab.bench import metrics
-from sgl_ecospec.lab.engine import OfflineEngine, SpecConfig
+from sgl_ecospec.lab.engine import SpecConfig
 
 MAX_NEW = 24
 
 
-def make_prompts(count, seed):
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(2, 12, (count,), generator=gen).tolist()
-    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
-
-
-PROMPTS = make_prompts(3, seed=1)
+PROMPTS = random_prompts(3, seed=1)
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models: intra-op threads only spin on a busy machine
-    root = tmp_path_factory.mktemp("calibration")
-    target = tiny_target()
-    target.save_pretrained(root / "target")
-    greedy = OfflineEngine(str(root / "target"), None).generate_greedy(PROMPTS, MAX_NEW + 8)
-    train_draft(
-        target, [p + o for p, o in zip(PROMPTS, greedy.outputs, strict=True)]
-    ).save_pretrained(root / "draft")
-    yield OfflineEngine(str(root / "target"), str(root / "draft"))
+    yield tiny_engine(tmp_path_factory.mktemp("calibration"), PROMPTS, MAX_NEW + 8)
     torch.set_num_threads(threads)
 
 
