@@ -6,7 +6,6 @@ Shape legend: as :mod:`sgl_ecospec.predictors.base`; R = token rows, C = pair bu
 """
 
 import math
-import os
 
 import torch
 
@@ -16,11 +15,9 @@ from sgl_ecospec.predictors.online import check_buckets, hash_buckets
 from sgl_ecospec.predictors.state import (
     CONTEXT_FORMAT,
     STATE_VERSION,
-    check_state,
+    SavedTables,
     check_state_header,
     config_diffs,
-    state_source,
-    torch_load,
 )
 
 # Count storage: name -> (dtype, the largest count a cell holds before its row is halved).
@@ -40,7 +37,7 @@ def _expert_dtype(num_experts: int) -> torch.dtype:
     return torch.uint8 if num_experts <= 256 else torch.int16
 
 
-class ContextExpertPredictor(ExpertPredictor):
+class ContextExpertPredictor(SavedTables, ExpertPredictor):
     """Routing counts per token and per (parent, token) pair, with back-off.
 
     A token row counts, per layer and expert, how often the token was routed there
@@ -84,6 +81,8 @@ class ContextExpertPredictor(ExpertPredictor):
         count_dtype: "uint8", "int16" or "float32".
         device: where the tables live.
     """
+
+    STATE_FORMAT = CONTEXT_FORMAT
 
     needs_context = True
 
@@ -296,24 +295,6 @@ class ContextExpertPredictor(ExpertPredictor):
             )
         for name, table in self._tables().items():
             table.copy_(state[name])
-
-    def save(self, path: str | os.PathLike) -> None:
-        """Writes :meth:`state_dict` to ``path`` with ``torch.save``."""
-        torch.save(self.state_dict(), path)
-
-    @classmethod
-    def load(cls, path, *, device="cpu", num_layers=None, num_experts=None, top_k=None):
-        """Builds a predictor from a file written by :meth:`save` (warm start); the given
-        model sizes must match the file's."""
-        shape = {"num_layers": num_layers, "num_experts": num_experts, "top_k": top_k}
-        return cls._from_state(torch_load(path), state_source(path), device=device, **shape)
-
-    @classmethod
-    def _from_state(cls, state, source: str, *, device, **expected) -> "ContextExpertPredictor":
-        check_state(state, source, CONTEXT_FORMAT, expected)
-        predictor = cls(**state["config"], device=device)
-        predictor.load_state_dict(state, source=source)
-        return predictor
 
 
 def _last_of_each(group: torch.Tensor) -> torch.Tensor:

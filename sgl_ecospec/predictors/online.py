@@ -5,7 +5,6 @@ Shape legend: as :mod:`sgl_ecospec.predictors.base`.
 """
 
 import math
-import os
 
 import torch
 
@@ -14,11 +13,9 @@ from sgl_ecospec.predictors.base import CheckedExpertPredictor, multi_hot
 from sgl_ecospec.predictors.state import (
     ONLINE_FORMAT,
     STATE_VERSION,
-    check_state,
+    SavedTables,
     check_state_header,
     config_diffs,
-    state_source,
-    torch_load,
 )
 
 _HASH_MULT = 2654435761
@@ -54,7 +51,7 @@ def check_buckets(name: str, value: int, minimum: int) -> int:
     return value
 
 
-class OnlineExpertPredictor(CheckedExpertPredictor):
+class OnlineExpertPredictor(SavedTables, CheckedExpertPredictor):
     """Per-token routing statistics, learnt online from the target's verified routing.
 
     A token's prediction is the K experts it was routed to most often per layer. Counts live
@@ -79,6 +76,8 @@ class OnlineExpertPredictor(CheckedExpertPredictor):
             fades; 0 = never.
         device: where the tables live.
     """
+
+    STATE_FORMAT = ONLINE_FORMAT
 
     def __init__(
         self,
@@ -188,40 +187,3 @@ class OnlineExpertPredictor(CheckedExpertPredictor):
         self.counts.copy_(state["counts"])
         self.prior.copy_(state["prior"])
         self.observe_calls = int(state["observe_calls"])
-
-    def save(self, path: str | os.PathLike) -> None:
-        """Writes :meth:`state_dict` to ``path`` with ``torch.save``."""
-        torch.save(self.state_dict(), path)
-
-    @classmethod
-    def load(
-        cls,
-        path: str | os.PathLike,
-        *,
-        device: str | torch.device = "cpu",
-        num_layers: int | None = None,
-        num_experts: int | None = None,
-        top_k: int | None = None,
-    ) -> "OnlineExpertPredictor":
-        """Builds a predictor from a file written by :meth:`save` (warm start).
-
-        Args:
-            path: the file.
-            device: where the tables go.
-            num_layers, num_experts, top_k: the target model being served; when given,
-                they must match the file's config, so a table learnt on another model is
-                never used silently.
-
-        Raises:
-            FileNotFoundError: no file at ``path``.
-            ValueError: the file is not a predictor state or does not fit the model.
-        """
-        shape = {"num_layers": num_layers, "num_experts": num_experts, "top_k": top_k}
-        return cls._from_state(torch_load(path), state_source(path), device=device, **shape)
-
-    @classmethod
-    def _from_state(cls, state, source: str, *, device, **expected) -> "OnlineExpertPredictor":
-        check_state(state, source, ONLINE_FORMAT, expected)
-        predictor = cls(**state["config"], device=device)
-        predictor.load_state_dict(state, source=source)
-        return predictor

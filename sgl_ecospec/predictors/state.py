@@ -60,3 +60,47 @@ def config_diffs(saved: dict, wanted: dict) -> str:
         for key, value in wanted.items()
         if saved.get(key) != value
     )
+
+
+class SavedTables:
+    """``save`` / ``load`` of an online predictor whose ``state_dict`` holds its ``config``
+    and the format tag :attr:`STATE_FORMAT` (the count-table predictors share them)."""
+
+    STATE_FORMAT: str
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes :meth:`state_dict` to ``path`` with ``torch.save``."""
+        torch.save(self.state_dict(), path)
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike,
+        *,
+        device: str | torch.device = "cpu",
+        num_layers: int | None = None,
+        num_experts: int | None = None,
+        top_k: int | None = None,
+    ):
+        """Builds a predictor from a file written by :meth:`save` (warm start).
+
+        Args:
+            path: the file.
+            device: where the tables go.
+            num_layers, num_experts, top_k: the target model being served; when given,
+                they must match the file's config, so a table learnt on another model is
+                never used silently.
+
+        Raises:
+            FileNotFoundError: no file at ``path``.
+            ValueError: the file is not a predictor state or does not fit the model.
+        """
+        shape = {"num_layers": num_layers, "num_experts": num_experts, "top_k": top_k}
+        return cls._from_state(torch_load(path), state_source(path), device=device, **shape)
+
+    @classmethod
+    def _from_state(cls, state, source: str, *, device, **expected):
+        check_state(state, source, cls.STATE_FORMAT, expected)
+        predictor = cls(**state["config"], device=device)
+        predictor.load_state_dict(state, source=source)
+        return predictor
