@@ -1,6 +1,7 @@
 import os
 
 import pytest
+import torch
 
 from sgl_ecospec import has_native
 from sgl_ecospec.ops.native import NATIVE_ERROR
@@ -21,3 +22,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("e2e") and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module's tests: tiny models and tables gain nothing from
+    more, and on a busy 2-core machine the spinning threads make these tests several times
+    slower (an ``index_add_`` with repeated rows hundreds of times). Modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

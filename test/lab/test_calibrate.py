@@ -24,14 +24,7 @@ from sgl_ecospec.lab.calibrate import ControlledRouting, TargetTimer, target_pro
 from sgl_ecospec.lab.cli import main
 from sgl_ecospec.lab.engine.target import TargetModel
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models gain nothing from intra-op threads (see test_engine.py).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

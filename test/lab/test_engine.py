@@ -23,14 +23,7 @@ MAX_NEW = 24
 PROMPTS = random_prompts(3, seed=1)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine the
-    # spinning threads make these tests several times slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,7 @@ from sgl_ecospec.predictors import (
 L, E, K, V = 3, 16, 2, 50
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny tables gain nothing from intra-op threads, and on a busy machine the spinning
-    # threads of an index_add_ with repeated rows take hundreds of times longer.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def ids(*values):
