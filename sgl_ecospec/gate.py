@@ -11,7 +11,11 @@ decoding: no draft, no verify tree) while the utility is below ``1 - margin``, o
 above ``1 + margin``. The mode that is not running is re-probed for ``probe_steps`` steps,
 ``probe_interval`` steps of the bucket after a decision, then at twice the distance after
 each probe that confirms it (up to ``max_probe_interval``), so a change of traffic or
-acceptance is seen again at a cost that falls while nothing changes. The first step after a
+acceptance is seen again at a cost that falls while nothing changes. Probes never cost more
+than ``probe_budget`` of a bucket's time: a probe step runs the losing mode, and the further
+the measured utility is from 1 the more it loses, so the distance between probes is at
+least ``probe_steps`` times a probe step's loss (in steps of the running mode) over the
+budget, capped at ``max_probe_interval``. The first step after a
 switch of mode is not measured: it carries the switch (and, re-entering speculation, a draft
 state that the plain steps left stale).
 
@@ -65,6 +69,8 @@ class GateOptions:
         probe_steps: steps per probe (>= 2: the first step after a switch is not measured).
         min_samples: measured steps of each mode before a fresh bucket's first decision.
         margin: hysteresis in [0, 0.5): close below 1 - margin, open above 1 + margin.
+        probe_budget: the largest share of a settled bucket's time its probes may lose, in
+            (0, 1] (module doc); 1 leaves the distances to ``probe_interval``'s doubling.
         smoothing: weight of a new sample in the moving averages, in (0, 1]; the averages
             start from the median of their first ``min_samples`` samples.
     """
@@ -74,6 +80,7 @@ class GateOptions:
     probe_steps: int = 3
     min_samples: int = 4
     margin: float = 0.02
+    probe_budget: float = 0.01
     smoothing: float = 0.2
 
     def __post_init__(self):
@@ -89,6 +96,8 @@ class GateOptions:
                 raise ValueError(f"gate {name} must be an int >= {low}, got {value!r}")
         if not 0 <= self.margin < 0.5:
             raise ValueError(f"gate margin must lie in [0, 0.5), got {self.margin}")
+        if not 0 < self.probe_budget <= 1:
+            raise ValueError(f"gate probe_budget must lie in (0, 1], got {self.probe_budget}")
         if not 0 < self.smoothing <= 1:
             raise ValueError(f"gate smoothing must lie in (0, 1], got {self.smoothing}")
 
@@ -163,6 +172,22 @@ class _Bucket:
             return math.nan
         return self.spec_tokens.value * self.plain_time.value / self.spec_time.value
 
+    def budget_interval(self) -> int:
+        """The fewest steps between probes that keeps their loss within ``probe_budget``
+        (0 while the utility is unmeasured). A probe step of a closed bucket takes
+        ``spec_time`` for tokens plain decoding makes in ``utility`` of that time; one of an
+        open bucket makes one token in ``plain_time`` that speculation makes in
+        ``1 / utility`` of it; each loss is counted in steps of the running mode."""
+        utility = self.utility()
+        if not (utility > 0):
+            return 0
+        if self.open:
+            loss = max(1.0 - 1.0 / utility, 0.0) * self.plain_time.value / self.spec_time.value
+        else:
+            loss = max(1.0 - utility, 0.0) * self.spec_time.value / self.plain_time.value
+        steps = self.options.probe_steps * loss / self.options.probe_budget
+        return min(math.ceil(round(steps, 6)), self.options.max_probe_interval)
+
     def next_mode(self) -> str:
         usual = SPECULATE if self.open else PLAIN
         if self.probe_left == 0:
@@ -173,7 +198,7 @@ class _Bucket:
                 if usual_count >= needed:
                     # +1: the first step after the switch is not measured.
                     self.probe_left = max(needed - other_count, 0) + 1
-            elif self.since_probe >= self.interval:
+            elif self.since_probe >= max(self.interval, self.budget_interval()):
                 self.probe_left = self.options.probe_steps
                 self.interval = min(2 * self.interval, self.options.max_probe_interval)
             if self.probe_left:
@@ -237,6 +262,12 @@ class UtilityGate:
     def is_open(self, batch_size: int) -> bool:
         """Whether the bucket of this batch size speculates outside probes."""
         return self._bucket(batch_size).open
+
+    def closed_everywhere(self) -> bool:
+        """Whether every bucket seen so far has decided to decode plainly (False before the
+        first decision): then nothing needs a current draft state outside probes."""
+        buckets = self._buckets.values()
+        return bool(buckets) and all(b.settled and not b.open for b in buckets)
 
     def record(self, batch_size: int, mode: str, seconds: float, tokens: float | None) -> None:
         """A measured step: its wall time and its tokens per request (speculative: accepted

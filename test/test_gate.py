@@ -81,7 +81,9 @@ def test_reopens_when_acceptance_rises_and_keeps_buckets_apart():
 
 
 def test_probes_back_off_while_the_decision_holds():
-    options = GateOptions(probe_interval=10, max_probe_interval=80, probe_steps=3, min_samples=2)
+    options = GateOptions(
+        probe_interval=10, max_probe_interval=80, probe_steps=3, min_samples=2, probe_budget=1.0
+    )
     gate = UtilityGate(options)
     modes = drive(gate, 1000, 1, spec_time=0.3, plain_time=0.1, tokens=1.5)
     starts = [i for i in range(1, len(modes)) if modes[i] == SPECULATE != modes[i - 1]]
@@ -89,6 +91,44 @@ def test_probes_back_off_while_the_decision_holds():
     # 10, 20, 40, 80, 80, ... plain steps between probes (plus the probe's own 3 steps).
     assert gaps[:4] == [23, 43, 83, 83]
     assert gate.state(1).switches == 1
+
+
+def test_probes_of_a_losing_mode_stay_within_the_budget():
+    options = GateOptions(
+        probe_interval=10, max_probe_interval=1000, probe_steps=3, min_samples=2, probe_budget=0.01
+    )
+    gate = UtilityGate(options)
+    # Utility 0.5 at twice plain decoding's time: each probe step loses (1 - 0.5) * 2 = 1
+    # plain step, a probe 3; at 1% the probes are at least 300 steps apart.
+    modes = drive(gate, 2000, 1, spec_time=0.2, plain_time=0.1, tokens=1.0)
+    assert gate.state(1).switches == 1 and not gate.state(1).open
+    starts = [i for i in range(1, len(modes)) if modes[i] == SPECULATE != modes[i - 1]]
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert gaps and min(gaps) >= 300
+    late = modes[starts[0] :]
+    lost = late.count(SPECULATE) * (1 - 0.5) * 2  # plain steps lost to the probes
+    assert lost / len(late) <= 0.01 + 3 / len(late)  # the last probe may end the window
+    # Where the modes almost tie a probe loses little, and probes come far more often:
+    # 3 * (1 - 0.95) * 2 / 0.01 = 30 steps apart.
+    near = UtilityGate(options)
+    modes = drive(near, 400, 1, spec_time=0.2, plain_time=0.1, tokens=1.9)
+    assert not near.state(1).open and near.state(1).utility == pytest.approx(0.95)
+    starts = [i for i in range(1, len(modes)) if modes[i] == SPECULATE != modes[i - 1]]
+    assert starts[1] - starts[0] == 30 + 3
+
+
+def test_closed_everywhere_once_every_bucket_seen_decodes_plainly():
+    options = GateOptions(probe_interval=10, max_probe_interval=10, probe_steps=3, min_samples=2)
+    gate = UtilityGate(options)
+    assert not gate.closed_everywhere()  # nothing seen
+    drive(gate, 3, 1, spec_time=0.3, plain_time=0.1, tokens=1.2)
+    assert not gate.closed_everywhere()  # still measuring
+    drive(gate, 20, 1, spec_time=0.3, plain_time=0.1, tokens=1.2)
+    assert gate.closed_everywhere()
+    drive(gate, 5, 2, spec_time=0.3, plain_time=0.1, tokens=1.2)  # inherits closed
+    assert gate.closed_everywhere()
+    drive(gate, 200, 8, spec_time=0.12, plain_time=0.1, tokens=2.0)  # a fresh bucket: pays
+    assert gate.is_open(8) and not gate.closed_everywhere()
 
 
 def test_a_fresh_bucket_without_measured_neighbours_measures_both_modes():

@@ -15,7 +15,10 @@ SGLang's ``SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND`` (unless the operator set it
 extend after the one-node verify is skipped too. Re-entering speculation, the requests draft
 from a draft state that misses the plainly decoded positions (lossless: verification decides),
 so a closed bucket's probes refresh only the speculative step's time, not its acceptance
-(:mod:`sgl_ecospec.gate`).
+(:mod:`sgl_ecospec.gate`). For the same reason, while every bucket seen decodes plainly
+(:meth:`UtilityGate.closed_everywhere`), a prefill skips the draft model's pass over the
+prompt (:func:`skip_draft_prefill`): a new request's first token then costs what it costs
+the plain server.
 
 Timing: each decode step's time is measured around the worker's ``forward_batch_generation``
 (on the CPU its wall time; on a GPU two CUDA events on the forward stream, read when the step's
@@ -173,6 +176,7 @@ class GatePolicy:
         self._pending: collections.deque = collections.deque(maxlen=64)
         self._mode = SPECULATE
         self._stale = False
+        self._draft_prefill = True  # the last answer of draft_prefill_needed, logged on change
 
     # SGLang's AdaptiveSpecPolicy protocol.
     @property
@@ -226,13 +230,63 @@ class GatePolicy:
         for bucket in self.gate.buckets():
             self.metrics.record(bucket, self.gate.state(bucket))
 
+    def draft_prefill_needed(self) -> bool:
+        """Called before each prefill's draft pass: False while every bucket decodes plainly
+        (rank 0's answer on every rank: the draft's forward has collectives too)."""
+        needed = not self.gate.closed_everywhere()
+        if self.group is not None:
+            needed = self._rank0_flag(needed)
+        if needed != self._draft_prefill:
+            self._draft_prefill = needed
+            logger.info(
+                "EcoSpec gate: %s",
+                "a bucket speculates: prefills run the draft model again"
+                if needed
+                else "every batch-size bucket decodes plainly: prefills skip the draft model",
+            )
+        return needed
+
     def _rank0_mode(self, mode: str) -> str:
-        flag = torch.tensor([mode == SPECULATE], dtype=torch.int64)
+        return SPECULATE if self._rank0_flag(mode == SPECULATE) else PLAIN
+
+    def _rank0_flag(self, value: bool) -> bool:
+        flag = torch.tensor([value], dtype=torch.int64)
         torch.distributed.broadcast(flag, src=self.group.ranks[0], group=self.group.cpu_group)
-        return SPECULATE if bool(flag.item()) else PLAIN
+        return bool(flag.item())
 
     def _changed(self, bucket: int, state: BucketState) -> None:
         logger.info(describe(bucket, state))
+
+
+def skip_draft_prefill(worker, policy: GatePolicy) -> None:
+    """Wraps ``worker``'s draft prefill (``EAGLEWorkerV2.draft_worker._draft_extend_for_prefill``)
+    so that it runs only when ``policy`` needs it; otherwise the next step's draft input is
+    the prefill's next tokens with zeroed draft fields of the right shapes, as SGLang's own
+    skipped draft extend (``_stub_skipped_draft_extend``) leaves them."""
+    from sglang.srt.speculative.eagle_info import EagleDraftInput
+    from sglang.srt.speculative.eagle_utils import get_draft_recurrent_hidden_state_spec
+
+    draft_worker = worker.draft_worker
+    draft_prefill = draft_worker._draft_extend_for_prefill
+
+    def gated_draft_prefill(batch, target_hidden_states, next_token_ids, *args, **kwargs):
+        if policy.draft_prefill_needed():
+            return draft_prefill(batch, target_hidden_states, next_token_ids, *args, **kwargs)
+        bs, device = next_token_ids.shape[0], next_token_ids.device
+        hidden_size, hidden_dtype = get_draft_recurrent_hidden_state_spec(draft_worker.draft_runner)
+        hidden = None
+        if hidden_size is not None:
+            hidden = torch.zeros((bs, hidden_size), dtype=hidden_dtype, device=device)
+        return EagleDraftInput(
+            topk_p=torch.zeros((bs, worker.topk), dtype=torch.float32, device=device),
+            topk_index=torch.zeros((bs, worker.topk), dtype=torch.int64, device=device),
+            hidden_states=hidden,
+            bonus_tokens=next_token_ids,
+            num_tokens_per_req=1,
+            num_tokens_for_logprob_per_req=1,
+        )
+
+    draft_worker._draft_extend_for_prefill = gated_draft_prefill
 
 
 def install(worker, options: GateOptions, group=None) -> GatePolicy:
@@ -245,6 +299,7 @@ def install(worker, options: GateOptions, group=None) -> GatePolicy:
         os.environ[SKIP_DRAFT_EXTEND_ENV] = "1"
     policy = GatePolicy(worker.speculative_num_steps, options, worker.device, group)
     worker.adaptive_controller = AdaptiveController(worker, policy)
+    skip_draft_prefill(worker, policy)
     logger.info(
         "EcoSpec gate on: plain decoding in batch-size buckets where speculation's measured "
         "utility is below 1 (re-probed every %d steps for %d steps)",

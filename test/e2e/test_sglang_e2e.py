@@ -254,11 +254,18 @@ def test_ecospec_serves_a_trained_head(models, prompts, plain_outputs, head_file
 
 def test_utility_gate_decodes_plainly_where_speculation_loses(models, prompts, plain_outputs, logs):
     args = [*spec_args(models, "ECOSPEC"), "--enable-metrics", "--decode-log-interval", "4"]
-    env = {"SGLANG_ECOSPEC_GATE_MIN_SAMPLES": "3", "SGLANG_ECOSPEC_GATE_PROBE_INTERVAL": "16"}
+    # Probes as often as the interval allows (budget 1): they re-enter speculation from the
+    # stale draft state of requests whose prefill skipped the draft model, still lossless.
+    env = {
+        "SGLANG_ECOSPEC_GATE_MIN_SAMPLES": "3",
+        "SGLANG_ECOSPEC_GATE_PROBE_INTERVAL": "16",
+        "SGLANG_ECOSPEC_GATE_PROBE_BUDGET": "1",
+    }
     outputs, _, metrics_text, text = serve(args, prompts, logs / "gate.log", env=env)
     assert_lossless(outputs, plain_outputs)
     assert "EcoSpec gate on" in text
     assert re.search(r"EcoSpec gate: batch sizes 1 decode plainly: .*utility 0\.\d\d", text)
+    assert "every batch-size bucket decodes plainly: prefills skip the draft model" in text
     assert ("steps 3 -> 0" in text) and ("steps 0 -> 3" in text)  # probes re-enter speculation
     samples = prometheus_values(metrics_text, "sglang:ecospec_gate_open")
     assert samples and all('batch_sizes="1"' in labels and v == 0.0 for labels, v in samples)

@@ -9,9 +9,10 @@ import pytest
 
 from sgl_ecospec.lab.serving import bench_serving
 from sgl_ecospec.lab.serving.local_server import (
-    accept_length_from_log,
+    accept_length_between,
     ecospec_log_summary,
     gpu_present,
+    metric_totals,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,11 +49,19 @@ def test_server_launch_lines():
     cfg = _cfg("--model-path", "/m", "--draft-model-path", "/d", "--concurrency", "2,8")
     cfg["server_args"] = ["--dtype", "float32"]
     args, env = bench_serving.server_launch(cfg, "none")
-    assert args == ["--model-path", "/m", "--dtype", "float32", "--max-running-requests", "8"]
+    assert args == [
+        "--model-path",
+        "/m",
+        "--dtype",
+        "float32",
+        "--max-running-requests",
+        "8",
+        "--enable-metrics",
+    ]
     assert env == {}
     args, env = bench_serving.server_launch(cfg, "eagle3")
     assert args[args.index("--speculative-algorithm") + 1] == "EAGLE3"
-    assert args[args.index("--decode-log-interval") + 1] == "1"
+    assert "--decode-log-interval" not in args  # SGLang's default on every server alike
     assert args[args.index("--speculative-draft-model-path") + 1] == "/d"
     assert env == {}
     for algorithm, policy in (("ecospec", "ecospec"), ("ecospec-confidence", "confidence")):
@@ -76,17 +85,30 @@ def test_log_summary_weights_lines_by_steps():
     assert ecospec_log_summary("no statistics")["experts_per_layer_step"] is None
 
 
-def test_accept_length_is_request_weighted_over_the_window():
-    line = (
-        "[t] Decode batch, #running-req: {n}, #token: 81, token usage: 0.02, accept len: {a}, "
-        "accept rate: 0.01, cpu graph: False, gen throughput (token/s): 0.22, #queue-req: 0\n"
-    )
-    text = (
-        line.format(n=4, a="1.50") + "[t] Prefill batch, #new-seq: 1\n" + line.format(n=1, a="3.00")
-    )
-    assert accept_length_from_log(text) == pytest.approx((4 * 1.5 + 3.0) / 5)
-    plain = "[t] Decode batch, #running-req: 2, #token: 9, cpu graph: False, #queue-req: 0\n"
-    assert accept_length_from_log(plain) is None
+METRICS_TEXT = """# HELP sglang:generation_tokens_total Number of generation tokens processed.
+# TYPE sglang:generation_tokens_total counter
+sglang:generation_tokens_total{{is_streaming="true",model_name="m"}} {streamed}
+sglang:generation_tokens_total{{is_streaming="false",model_name="m"}} 4.0
+sglang:spec_verify_calls_total{{model_name="m"}} {verify}
+sglang:num_running_reqs{{model_name="m"}} 0.0
+"""
+
+
+def test_metric_totals_sum_label_sets_and_skip_comments():
+    totals = metric_totals(METRICS_TEXT.format(streamed="10.0", verify="6.0"))
+    assert totals["sglang:generation_tokens_total"] == 14.0
+    assert totals["sglang:spec_verify_calls_total"] == 6.0
+    assert totals["sglang:num_running_reqs"] == 0.0
+    assert "# HELP" not in "".join(totals)
+
+
+def test_accept_length_is_tokens_per_request_step_of_the_window():
+    before = metric_totals(METRICS_TEXT.format(streamed="10.0", verify="6.0"))
+    # 2 requests: 2 prefill tokens + 40 tokens from 20 verify steps -> 2.0 per step.
+    after = metric_totals(METRICS_TEXT.format(streamed="52.0", verify="26.0"))
+    assert accept_length_between(before, after, requests=2) == pytest.approx(2.0)
+    plain = metric_totals("sglang:generation_tokens_total 30.0\n")
+    assert accept_length_between({}, plain, requests=2) is None
 
 
 def test_sharegpt_file_is_what_sglang_reads(tmp_path):

@@ -111,9 +111,51 @@ def test_unsupported_layouts_are_named(flag, value, words):
     assert plugin_gate.unsupported_reason(SimpleNamespace()) is None
 
 
+def fake_worker(hidden_size=16):
+    """What :func:`plugin_gate.install` touches of an ``EAGLEWorkerV2``; the draft prefill
+    records its calls."""
+    calls = []
+    runner = SimpleNamespace(
+        model_config=SimpleNamespace(spec_hidden_size=hidden_size, dtype=torch.bfloat16),
+        spec_algorithm=SimpleNamespace(is_standalone=lambda: False),
+    )
+    draft = SimpleNamespace(
+        draft_runner=runner,
+        _draft_extend_for_prefill=lambda *args, **kwargs: calls.append(args) or "drafted",
+    )
+    worker = SimpleNamespace(
+        speculative_num_steps=3,
+        device="cpu",
+        adaptive_controller=None,
+        topk=4,
+        draft_worker=draft,
+    )
+    return worker, calls
+
+
+def test_draft_prefill_is_skipped_while_every_bucket_decodes_plainly():
+    worker, calls = fake_worker()
+    policy = plugin_gate.install(worker, OPTIONS)
+    prefill = worker.draft_worker._draft_extend_for_prefill
+    next_tokens = torch.tensor([5, 7, 9])
+    # Before any decision the draft runs (a fresh bucket measures speculation first).
+    assert prefill("batch", "hidden", next_tokens) == "drafted" and len(calls) == 1
+    run_steps(policy, 40, 1, spec_seconds=0.3, plain_seconds=0.1, accepted=0.2)
+    assert not policy.gate.is_open(1)
+    stub = prefill("batch", "hidden", next_tokens)
+    assert len(calls) == 1  # the draft model did not run
+    assert torch.equal(stub.bonus_tokens, next_tokens)
+    assert stub.topk_p.shape == (3, 4) and stub.topk_index.shape == (3, 4)
+    assert stub.hidden_states.shape == (3, 16) and stub.hidden_states.dtype == torch.bfloat16
+    # A bucket where speculation pays needs current draft states again.
+    run_steps(policy, 200, 8, spec_seconds=0.11, plain_seconds=0.1, accepted=1.5)
+    assert policy.gate.is_open(8)
+    assert prefill("batch", "hidden", next_tokens) == "drafted" and len(calls) == 2
+
+
 def test_install_sets_the_controller_and_skips_the_draft_extend(monkeypatch):
     monkeypatch.delenv(plugin_gate.SKIP_DRAFT_EXTEND_ENV, raising=False)
-    worker = SimpleNamespace(speculative_num_steps=3, device="cpu", adaptive_controller=None)
+    worker, _ = fake_worker()
     policy = plugin_gate.install(worker, OPTIONS)
     assert worker.adaptive_controller.params is policy
     assert worker.adaptive_controller.candidate_steps == [0, 3]
@@ -150,7 +192,7 @@ def _rank_main(rank, port, queue):
         # Rank 1 measures speculation as a loss, rank 0 as a gain: both follow rank 0.
         spec_seconds = 0.1 if rank == 0 else 0.5
         chosen = run_steps(policy, 60, 1, spec_seconds, 0.1, accepted=1.0)
-        queue.put((rank, chosen, None))
+        queue.put((rank, (chosen, policy.draft_prefill_needed()), None))
         torch.distributed.destroy_process_group()
     except Exception:
         queue.put((rank, None, traceback.format_exc()))
@@ -171,4 +213,6 @@ def test_two_ranks_run_rank0s_mode():
     for p in procs:
         p.join(timeout=30)
     assert results[0] == results[1]
-    assert results[0][-30:].count(3) >= 25  # rank 0's verdict: speculation pays
+    chosen, draft_prefill_needed = results[0]
+    assert chosen[-30:].count(3) >= 25  # rank 0's verdict: speculation pays
+    assert draft_prefill_needed  # rank 1 alone would skip it

@@ -5,7 +5,7 @@ starts a server for each of ``--algorithms`` (none, eagle3, ecospec-confidence, 
 runs ``python -m sglang.bench_serving --backend sglang`` with packaged prompts (MT-Bench or
 ShareGPT first turns, written to an offline ShareGPT-format file) at every
 ``--concurrency``, and prints one table: output throughput, mean TPOT, acceptance length
-(from the phase's decode log lines, one per step),
+(from SGLang's ``/metrics`` counters before and after the phase),
 and, for ECOSPEC servers, unique experts per layer per verify step and predictor recall
 (from the scheduler's ``EcoSpec:`` log lines of that phase).
 
@@ -33,7 +33,7 @@ from pathlib import Path
 from sgl_ecospec.lab.serving.local_server import (
     LocalServer,
     ServerError,
-    accept_length_from_log,
+    accept_length_between,
     ecospec_log_summary,
     gpu_present,
 )
@@ -153,7 +153,8 @@ def validate(args: argparse.Namespace) -> dict:
 def server_launch(cfg: dict, algorithm: str) -> tuple[list[str], dict]:
     """(server arguments, extra environment) of one algorithm's server."""
     args = ["--model-path", cfg["model_path"], *cfg["server_args"]]
-    args += ["--max-running-requests", str(max(cfg["concurrency"]))]
+    # Metrics on every server alike: the phase's acceptance length comes from its counters.
+    args += ["--max-running-requests", str(max(cfg["concurrency"])), "--enable-metrics"]
     env = {}
     if algorithm != "none":
         name = "EAGLE3" if algorithm == "eagle3" else "ECOSPEC"
@@ -168,10 +169,6 @@ def server_launch(cfg: dict, algorithm: str) -> tuple[list[str], dict]:
             str(cfg["topk"]),
             "--speculative-num-draft-tokens",
             str(cfg["num_draft_tokens"]),
-            # One decode log line per step: the phase's acceptance length is read from them
-            # (SGLang's /server_info average runs over the server's whole life).
-            "--decode-log-interval",
-            "1",
         ]
     if algorithm.startswith("ecospec"):
         env["SGLANG_ECOSPEC_POLICY"] = (
@@ -285,10 +282,14 @@ def run(cfg: dict, work: Path, log=print) -> list[dict]:
             for concurrency in cfg["concurrency"]:
                 server.generate(WARMUP_PROMPT, 4)
                 offset = server.log_size()
+                counters = server.metrics()
                 t0 = time.monotonic()
                 out = work / f"client-{algorithm}-c{concurrency}.jsonl"
                 result = run_client(cfg, server, dataset_file, concurrency, out)
                 phase_log = server.log_text(offset)
+                accept = accept_length_between(
+                    counters, server.metrics(), result.get("completed") or 0
+                )
                 stats = ecospec_log_summary(phase_log)
                 record = {
                     "algorithm": algorithm,
@@ -298,7 +299,7 @@ def run(cfg: dict, work: Path, log=print) -> list[dict]:
                     "mean_tpot_ms": result.get("mean_tpot_ms"),
                     "median_tpot_ms": result.get("median_tpot_ms"),
                     "mean_ttft_ms": result.get("mean_ttft_ms"),
-                    "accept_length": accept_length_from_log(phase_log),
+                    "accept_length": accept,
                     "experts_per_layer_step": stats["experts_per_layer_step"],
                     "predictor_recall": stats["predictor_recall"],
                     "verify_steps_logged": stats["verify_steps"],

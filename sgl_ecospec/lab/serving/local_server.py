@@ -30,10 +30,8 @@ _ECOSPEC_LINE = re.compile(
 )
 
 
-# SGLang's decode log line; "accept len" is accepted tokens per request-step of its interval.
-_DECODE_LINE = re.compile(
-    r"Decode batch, #running-req: (?P<reqs>\d+),.*?accept len: (?P<accept>[\d.]+)"
-)
+# One sample of a Prometheus text exposition: name, optional labels, value.
+_METRIC_SAMPLE = re.compile(r"^(?P<name>[A-Za-z_:][\w:]*)(?:\{[^}]*\})?\s+(?P<value>\S+)")
 
 
 class ServerError(RuntimeError):
@@ -83,20 +81,36 @@ def ecospec_log_summary(text: str) -> dict:
     }
 
 
-def accept_length_from_log(text: str) -> float | None:
-    """Mean acceptance length over the speculative decode log lines in ``text``.
+def metric_totals(text: str) -> dict[str, float]:
+    """Each metric's sum over its label sets, from a Prometheus text exposition (what
+    ``/metrics`` serves with ``--enable-metrics``)."""
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        match = _METRIC_SAMPLE.match(line)
+        if match is None or line.startswith("#"):
+            continue
+        try:
+            value = float(match["value"])
+        except ValueError:
+            continue
+        totals[match["name"]] = totals.get(match["name"], 0.0) + value
+    return totals
 
-    Each "Decode batch" line reports its interval's accepted tokens per request-step; with
-    ``--decode-log-interval 1`` a line is one step, and weighting it by its running requests
-    gives accepted tokens over request-steps for the whole text, i.e. SGLang's own
-    acceptance length restricted to that window. None when no line carries "accept len".
-    """
-    weighted, requests = 0.0, 0
-    for match in _DECODE_LINE.finditer(text):
-        n = int(match["reqs"])
-        weighted += n * float(match["accept"])
-        requests += n
-    return weighted / requests if requests else None
+
+GENERATED = "sglang:generation_tokens_total"
+VERIFY_CALLS = "sglang:spec_verify_calls_total"
+
+
+def accept_length_between(before: dict, after: dict, requests: int) -> float | None:
+    """Acceptance length over a window from SGLang's counters (:func:`metric_totals` at its
+    start and end, every request of the window finished): tokens per request per verify
+    step, the prefill's first token of each of ``requests`` requests excluded. None without
+    verify steps (a server without speculation)."""
+    verify = after.get(VERIFY_CALLS, 0.0) - before.get(VERIFY_CALLS, 0.0)
+    if verify <= 0:
+        return None
+    generated = after.get(GENERATED, 0.0) - before.get(GENERATED, 0.0)
+    return (generated - requests) / verify
 
 
 class LocalServer:
@@ -182,6 +196,10 @@ class LocalServer:
     def get(self, path: str) -> dict:
         with urllib.request.urlopen(self.url + path, timeout=30) as response:
             return json.load(response)
+
+    def metrics(self) -> dict[str, float]:
+        """:func:`metric_totals` of the server's ``/metrics`` (``--enable-metrics``)."""
+        return metric_totals(self.get_text("/metrics"))
 
     def get_text(self, path: str) -> str:
         with urllib.request.urlopen(self.url + path, timeout=30) as response:
