@@ -178,6 +178,47 @@ def verify_rows(selected: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros_like(selected[:, :1]), 1 + selected], 1)
 
 
+def fill_unused_slots(
+    selected: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor
+) -> torch.Tensor:
+    """A verify set for a fixed-width verify pass (SGLang verifies
+    ``speculative_num_draft_tokens`` rows per request, however few "adaptive" chose).
+
+    Every unused slot holds a copy of a leaf of the request's chosen set (the highest-index
+    chosen candidate without a chosen child). A copy has the leaf's token, ancestors and
+    position, so the target routes it to the leaf's experts (no expert load added); nothing
+    hangs under it; and verification, which tries siblings in index order, meets the
+    original first, so the output is unchanged. A request that chose nothing verifies its
+    best child of the root (one node: a verify pass has no empty slot; the utility gate is
+    the way to verify none).
+
+    Args:
+        selected: int64 ``[B, S]``: chosen candidates, -1 padding (``select_verify_set``).
+        scores: float ``[B, N]``: the candidates' scores (picks the root child).
+        parents: int ``[B, N]``: each candidate's parent candidate, -1 for the root.
+
+    Returns:
+        int64 ``[B, S]``, ascending, no -1 (graph-safe: no host sync).
+    """
+    batch, num_candidates = scores.shape
+    index = selected.clamp_min(0)
+    used = selected >= 0
+    chosen = torch.zeros(batch, num_candidates, dtype=torch.bool, device=scores.device)
+    chosen.scatter_(1, index, used)
+    # Column 0 collects the root and the padding; a chosen candidate's parent marks column
+    # parent + 1.
+    parent_slot = torch.where(used, torch.gather(parents.long(), 1, index) + 1, 0)
+    has_child = torch.zeros(batch, num_candidates + 1, dtype=torch.bool, device=scores.device)
+    has_child.scatter_(1, parent_slot, True)
+    leaf = chosen & ~has_child[:, 1:]
+    order = torch.arange(1, num_candidates + 1, device=scores.device)
+    last_leaf = (leaf.long() * order).argmax(1)  # [B]
+    root_child = scores.float().masked_fill(parents >= 0, -torch.inf).argmax(1)  # [B]
+    copy = torch.where(leaf.any(1), last_leaf, root_child)
+    filled = torch.where(used, selected, copy[:, None])
+    return filled.sort(dim=1).values
+
+
 def batch_index(index: torch.Tensor) -> torch.Tensor:
     """Row numbers ``[B, 1]`` to pair with a ``[B, M]`` index in advanced indexing."""
     return torch.arange(index.shape[0], device=index.device)[:, None]
