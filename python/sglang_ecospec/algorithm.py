@@ -22,9 +22,11 @@ the V2 worker path), and :class:`EcoSpecWorker` is SGLang's ``EAGLEWorkerV2`` pl
   step timed;
 - before each decode step: a pending EPLB refresh of the EP placement applied on the
   forward stream, the batch's bonus tokens copied into the selector (seeds of the expert
-  buffer);
+  buffer) and, for a predictor that reads context, the token verified before each (kept per
+  request-pool slot from the accepted paths: :mod:`sglang_ecospec.served_predictor`);
 - after each verify: whether every MoE layer's routing was captured (counted on the device),
-  and the verify tokens' captured routing feeds the statistics and the online predictor (no
+  and the verify tokens' captured routing feeds the statistics and the online predictor,
+  SGLang's accepted paths the acceptance calibrator (:mod:`sglang_ecospec.acceptance`; no
   host sync); the statistics are read (one host sync each) for SGLang's decode
   log line and /metrics (:mod:`sglang_ecospec.metrics`, once per ``--decode-log-interval``);
   the "EcoSpec:" line (every ``log_interval`` verify steps) copies them asynchronously and
@@ -253,8 +255,11 @@ def _make_worker_class():
 
         def forward_batch_generation(self, batch, *args, **kwargs):
             decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch)
+            slots = getattr(batch, "req_pool_indices", None)  # int [B], a request's for life
             if self.ecospec is not None and decode:
-                self.ecospec.before_decode(batch.spec_info)
+                self.ecospec.before_decode(batch.spec_info, slots)
+            elif self.ecospec is not None:  # a prefill: the slots' earlier tokens are stale
+                self.ecospec.forget_requests(slots)
             timed = self.ecospec_gate is not None and decode and not batch.forward_mode.is_idle()
             if not timed:
                 return super().forward_batch_generation(batch, *args, **kwargs)
@@ -266,13 +271,30 @@ def _make_worker_class():
         def verify(self, batch, *args, **kwargs):
             # A plain-decoding step of the utility gate (0 draft steps) verifies the bonus
             # tokens alone: nothing was selected, so EcoSpec measures and learns nothing.
-            if self.ecospec is None or self.speculative_num_steps == 0:
+            slots = getattr(batch, "req_pool_indices", None)
+            if self.speculative_num_steps == 0:
+                verify_input = getattr(batch, "spec_info", None)
+                output = self._verify_one_node(batch, *args, **kwargs)
+                if self.ecospec is not None:  # the token before the next root, for context
+                    self.ecospec.track_roots(verify_input, output, slots)
+                return output
+            if self.ecospec is None:
                 return super().verify(batch, *args, **kwargs)
             verify_input = batch.spec_info
             self.ecospec.before_verify()
             output = super().verify(batch, *args, **kwargs)
-            self.ecospec.after_verify(verify_input)
+            self.ecospec.after_verify(verify_input, output, slots)  # output.accept_index: learnt
             return output
+
+        def _verify_one_node(self, batch, *args, **kwargs):
+            # SGLang compacts a tree's accepted path to the front of each request's block
+            # (a KV move over every layer) whenever topk > 1; a one-node tree's path is
+            # there already, as a chain's is, so the verify runs as for topk 1.
+            topk, self.topk = self.topk, 1
+            try:
+                return super().verify(batch, *args, **kwargs)
+            finally:
+                self.topk = topk
 
     EcoSpecWorker.__qualname__ = "EcoSpecWorker"
     return EcoSpecWorker

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 MIB = 1 << 20
 # Scoring temporaries of one prediction block (two float [rows, L, E] tensors at once).
 SCORE_CHUNK_BYTES = 64 * MIB
-_I64, _F32, _I16, _BOOL = 8, 4, 2, 1
+_I64, _F64, _F32, _I16, _BOOL = 8, 8, 4, 2, 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,33 +98,54 @@ class PluginMemory:
 
 
 def predictor_bytes(predictor) -> int:
-    """Bytes of a built predictor's state tensors (a module's state dict, or the tensor
-    attributes: the online predictor's ``counts`` and ``prior``)."""
+    """Bytes of a built predictor's state tensors: the size it reports (``memory_bytes``,
+    the context predictor's tables), else a module's state dict or the tensor attributes
+    (the online predictor's ``counts`` and ``prior``)."""
+    if hasattr(predictor, "memory_bytes"):
+        return int(predictor.memory_bytes())
     from sglang_ecospec.tp_agreement import predictor_tensors
 
     return sum(t.numel() * t.element_size() for t in predictor_tensors(predictor))
 
 
-def buffer_bytes(shape: ModelShape, *, max_batch: int, num_draft_tokens: int, ep_placement: bool):
-    """Bytes of the runtime's persistent buffers (each term names its owner)."""
+def buffer_bytes(
+    shape: ModelShape,
+    *,
+    max_batch: int,
+    num_draft_tokens: int,
+    ep_placement: bool,
+    context: bool = False,
+    live_recall: bool = False,
+):
+    """Bytes of the runtime's persistent buffers (each term names its owner); ``context``: a
+    predictor that reads context, ``live_recall``: the recall-weighted cost's recall."""
     layers, experts, top_k = shape.num_layers, shape.num_experts, shape.top_k
     rows = max_batch * num_draft_tokens
     return (
         rows * layers * top_k * _I64  # routing.RoutingCapture.buffer
         + rows * layers * top_k * _I16  # selection.EcoSpecSelector.verify_topk
         + max_batch * (_I64 + _BOOL)  # selector.root_tokens, root_valid
-        + 3 * _I64 * 2  # routing.VerifyStats.totals, _signs
+        + (2 + layers) * _I64 * 2  # routing.VerifyStats.totals, _signs
         + layers * _I64
         + _BOOL  # VerifyStats._layer_index, _true
         + (layers * experts * _I64 if ep_placement else 0)  # ExpertPlacement.expert_rank
+        # selector.root_context, verify_context; served_predictor.RootContext.tokens
+        + ((2 * max_batch + rows) * _I64 if context else 0)
+        + (layers * (_F32 + _F64) + _F64 if live_recall else 0)  # LiveRecall ema, hits, rows
     )
 
 
 def selection_step_bytes(
-    shape: ModelShape, *, batch: int, num_draft_tokens: int, topk: int, num_steps: int
+    shape: ModelShape,
+    *,
+    batch: int,
+    num_draft_tokens: int,
+    topk: int,
+    num_steps: int,
+    predictor: str = "online",
 ) -> int:
     """An upper bound of the draft step's selection temporaries for ``batch`` requests (sum
-    of its tensors, as if all were alive at once)."""
+    of its tensors, as if all were alive at once) with the ``predictor`` of the settings."""
     layers, experts, top_k, words = shape.num_layers, shape.num_experts, shape.top_k, shape.words
     n = num_candidates(topk, num_steps)
     rows = batch * (1 + n)  # root first, then the candidates
@@ -133,8 +154,14 @@ def selection_step_bytes(
     budget = num_draft_tokens - 1
     tree = batch * n * (_F32 + 3 * _I64) + batch * (1 + n) * _I64 + n * _I64  # scores, ids, parents
     tree += batch * (1 + (num_steps - 1) * topk) * _I64  # parent_list
-    scoring = chunk * (4 * _I64 + 2 * layers * experts * _F32 + layers * top_k * _F32)
-    scoring += 3 * layers * experts * _F32  # the prior's pseudo-counts
+    if predictor in ("vocab", "context"):
+        # Cached top-K rows gathered (token, pair, chosen) and the pair hashes; each row's
+        # parent token (the tree's context), and the verify rows' for observe.
+        scoring = chunk * (layers * top_k * (3 * _BOOL + _I64) + 16 * _I64)
+        scoring += 2 * rows * _I64 + batch * num_draft_tokens * 2 * _I64
+    else:
+        scoring = chunk * (4 * _I64 + 2 * layers * experts * _F32 + layers * top_k * _F32)
+        scoring += 3 * layers * experts * _F32  # the prior's pseudo-counts
     predicted = rows * layers * top_k * _I64 * (2 if blocks > 1 else 1)  # blocks, then cat
     bitmaps = (2 * rows + batch * n + batch) * layers * words * _I64  # masked, op inputs
     op = batch * n * (_F32 * 2 + _BOOL) + batch * budget * _I64 + batch * layers * words * _I64
@@ -144,15 +171,50 @@ def selection_step_bytes(
     return tree + scoring + predicted + bitmaps + op + verify
 
 
-def after_verify_bytes(shape: ModelShape, *, batch: int, num_draft_tokens: int) -> int:
-    """An upper bound of the temporaries after a verify of ``batch`` requests: the statistics
-    and the online predictor's update (its multi-hot ``[T, L, E]``)."""
+def after_verify_bytes(
+    shape: ModelShape,
+    *,
+    batch: int,
+    num_draft_tokens: int,
+    predictor: str = "online",
+    live_recall: bool = False,
+) -> int:
+    """An upper bound of the temporaries after a verify of ``batch`` requests: the statistics,
+    the ``predictor``'s update (the online table's multi-hot ``[T, L, E]``; the context
+    table's count updates, several ``[T, L, E]``) and with ``live_recall`` its update."""
     layers, experts, top_k = shape.num_layers, shape.num_experts, shape.top_k
     tokens = batch * num_draft_tokens
-    stats = layers * experts * _BOOL + tokens * layers * top_k * top_k * _BOOL + 8 * _I64
+    stats = layers * experts * _BOOL + tokens * layers * top_k * top_k * _BOOL
+    stats += (8 + 3 * layers) * _I64
     observe = tokens * layers * top_k * _I64  # routing with uncaptured rows clamped
-    observe += tokens * (layers * experts * _F32 + 5 * _I64) + 2 * layers * experts * _F32
-    return stats + observe
+    if predictor in ("vocab", "context"):
+        observe += context_observe_bytes(shape, tokens, pairs=predictor == "context")
+    else:
+        observe += tokens * (layers * experts * _F32 + 5 * _I64) + 2 * layers * experts * _F32
+    recall = 0
+    if live_recall:  # LiveRecall.update: both ids as int64, two bitmaps, their overlap, counts
+        recall = tokens * layers * (2 * top_k * _I64 + 3 * shape.words * _I64 + 4 * _F32)
+        recall += tokens * (3 * _F32 + _BOOL) + 4 * layers * _F32
+    return stats + observe + recall
+
+
+def context_observe_bytes(shape: ModelShape, tokens: int, *, pairs: bool) -> int:
+    """``ContextExpertPredictor.observe``'s temporaries for ``tokens`` rows, at its peak: the
+    float ``[T, L, E]`` alive inside a count update (the multi-hot, then the old, summed,
+    new, scaled and floored counts), with a pair table also the token's counts and scores
+    (8 of them, 6 without), the gathered table rows, the ``[T, T]`` group masks, the top-K and
+    per-row numbers."""
+    layers, experts, top_k = shape.num_layers, shape.num_experts, shape.top_k
+    dense = tokens * layers * experts
+    floats = 8 if pairs else 6
+    return (
+        floats * dense * _F32
+        + dense * _BOOL
+        + 2 * tokens * tokens * _BOOL
+        + tokens * layers * (top_k * (_F32 + _I64 + _BOOL) + 4 * _F32)
+        + 16 * tokens * _I64
+        + 4 * layers * experts * _F32
+    )
 
 
 def plugin_memory_bytes(
@@ -165,6 +227,7 @@ def plugin_memory_bytes(
     num_steps: int,
     ep_placement: bool = False,
     predictor=None,
+    vocab_size: int | None = None,
 ) -> PluginMemory:
     """ECOSPEC's device memory for these settings and this served model.
 
@@ -174,21 +237,57 @@ def plugin_memory_bytes(
         max_batch: rows of the batch-sized buffers (the most requests of one decode batch).
         num_draft_tokens: D; topk, num_steps: the draft tree (K, S).
         ep_placement: an expert -> EP rank map is kept (EP cost under expert parallelism).
-        predictor: the built predictor, measured; None: the online table of ``settings``
+        predictor: the built predictor, measured; None: the fresh table of ``settings``
             (a ``predictor_file`` or a head needs the built predictor).
+        vocab_size: the target's vocabulary, which sizes a fresh ``vocab`` or ``context``
+            table (with ``predictor`` None).
     """
+    from sglang_ecospec.settings import VOCAB_PREDICTORS
+
+    fresh = predictor is None and settings.predictor_file is None
     if predictor is not None:
         table = predictor_bytes(predictor)
-    elif settings.predictor == "online" and settings.predictor_file is None:
+    elif fresh and settings.predictor == "online":
         table = (settings.num_buckets + 1) * shape.num_layers * shape.num_experts * _F32
+    elif fresh and settings.predictor in VOCAB_PREDICTORS and vocab_size is not None:
+        from sgl_ecospec.predictors import make_predictor
+
+        # The library's own table, on the meta device: its size without its memory.
+        table = make_predictor(
+            settings.predictor,
+            shape.num_layers,
+            shape.num_experts,
+            shape.top_k,
+            vocab_size=vocab_size,
+            device="meta",
+        ).memory_bytes()
+    elif fresh and settings.predictor in VOCAB_PREDICTORS:
+        raise ValueError(
+            f"predictor {settings.predictor!r} is sized by the vocabulary: pass vocab_size"
+        )
     else:
         raise ValueError("a predictor read from a file is measured: pass the built predictor")
+    context = settings.predictor in VOCAB_PREDICTORS
     buffers = buffer_bytes(
-        shape, max_batch=max_batch, num_draft_tokens=num_draft_tokens, ep_placement=ep_placement
+        shape,
+        max_batch=max_batch,
+        num_draft_tokens=num_draft_tokens,
+        ep_placement=ep_placement,
+        context=context,
+        live_recall=settings.recall_weighted_cost,
     )
+    sizes = {"batch": max_batch, "num_draft_tokens": num_draft_tokens}
     step = selection_step_bytes(
-        shape, batch=max_batch, num_draft_tokens=num_draft_tokens, topk=topk, num_steps=num_steps
-    ) + after_verify_bytes(shape, batch=max_batch, num_draft_tokens=num_draft_tokens)
+        shape, topk=topk, num_steps=num_steps, predictor=settings.predictor, **sizes
+    ) + after_verify_bytes(
+        shape, predictor=settings.predictor, live_recall=settings.recall_weighted_cost, **sizes
+    )
+    if settings.calibrated_acceptance:
+        from sglang_ecospec import acceptance
+
+        tree = {"topk": topk, "num_steps": num_steps, "num_draft_tokens": num_draft_tokens}
+        buffers += acceptance.buffer_bytes(max_batch=max_batch, **tree)
+        step += acceptance.step_bytes(batch=max_batch, **tree)
     return PluginMemory(predictor=table, buffers=buffers, step=step)
 
 

@@ -12,7 +12,9 @@ ECOSPEC worker in its scheduler process only) does, on exactly those calls:
   through a :class:`logging.Filter` on SGLang's reporter logger that is attached only
   while the hooked call runs;
 - with ``--enable-metrics``, sets :class:`EcoSpecMetrics` (labels and metric classes taken
-  from SGLang's scheduler collector, multiprocess mode like SGLang's gauges).
+  from SGLang's scheduler collector, multiprocess mode like SGLang's gauges), among them the
+  predictor's recall per MoE layer and its prediction time per draft step
+  (:class:`PredictTimer`).
 
 On every call (each decode batch's results, SGLang's host-side bookkeeping) it also logs the
 "EcoSpec:" lines whose asynchronous snapshots have landed (``EcoSpecRuntime.poll_log``, held
@@ -24,6 +26,9 @@ and nothing else.
 """
 
 import logging
+import time
+
+import torch
 
 from sglang_ecospec.hooks import HookSlot
 
@@ -44,10 +49,22 @@ def decode_log_fields(summary: dict) -> str:
         f", ecospec experts/layer/step: {summary['unique_experts_per_layer']:.2f}"
         f", predictor recall: {summary['predictor_recall']:.3f}"
     )
+    if "forecast_accept_length" in summary:  # calibrated acceptance
+        fields += (
+            f", ecospec accept len: {summary['accept_length']:.2f}"
+            f" (forecast {summary['forecast_accept_length']:.2f})"
+        )
     missed = summary.get("capture_missed_steps", 0)
     if missed:
         fields += f", ecospec routing not captured: {missed} steps"
     return fields
+
+
+def predict_log_field(summary: dict) -> str:
+    """The prediction time per draft step in the "EcoSpec:" line (leading ", "), when some
+    prediction of the window was timed (:class:`PredictTimer`)."""
+    ms = summary.get("predict_ms_per_step")
+    return "" if ms is None else f", predict ms/step {ms:.3f}"
 
 
 class EcoSpecMetrics:
@@ -94,10 +111,36 @@ class EcoSpecMetrics:
             "EcoSpec: the expert predictor's top-K recall on verify tokens, before learning "
             "from them (mean over the last decode log window).",
         )
+        self._labels = labels
+        self.layer_recall = gauge_cls(
+            name="sglang:ecospec_predictor_recall_per_layer",
+            documentation="EcoSpec: the expert predictor's top-K recall on verify tokens in "
+            "one MoE layer (label layer: the target's layer id), over the last decode log "
+            "window.",
+            labelnames=[*names, "layer"],
+            multiprocess_mode="mostrecent",
+            **extra,
+        )
+        self.predict_ms = gauge(
+            "sglang:ecospec_predict_ms_per_step",
+            "EcoSpec: milliseconds of the expert prediction of one draft step (every row of "
+            "the batch's trees), mean over the steps timed in the last decode log window.",
+        )
         self.accept_length = gauge(
             "sglang:ecospec_accept_length",
             "EcoSpec: mean acceptance length (accepted drafts + bonus token per request and "
             "verify step) over the last decode log window.",
+        )
+        self.calibrated_accept_length = gauge(
+            "sglang:ecospec_calibrated_accept_length",
+            "EcoSpec: measured acceptance length over the verify steps the acceptance "
+            "calibrator learnt from in the last decode log window (calibrated_acceptance).",
+        )
+        self.forecast_accept_length = gauge(
+            "sglang:ecospec_forecast_accept_length",
+            "EcoSpec: acceptance length forecast by the calibrated acceptance probabilities "
+            "(1 + the verified nodes' probabilities, before each step's result was learnt) "
+            "over the same verify steps.",
         )
         self.verify_tokens = gauge(
             "sglang:ecospec_verify_tokens_per_step",
@@ -123,11 +166,81 @@ class EcoSpecMetrics:
         length over the same decode log window (None: none known; left as it was)."""
         self.unique_experts.set(summary["unique_experts_per_layer"])
         self.predictor_recall.set(summary["predictor_recall"])
+        for layer, recall in summary.get("predictor_recall_per_layer", {}).items():
+            self.layer_recall.labels(**self._labels, layer=str(layer)).set(recall)
+        if summary.get("predict_ms_per_step") is not None:
+            self.predict_ms.set(summary["predict_ms_per_step"])
         self.verify_tokens.set(summary["verify_tokens_per_step"])
         self.verify_steps.inc(summary["verify_steps"])
         self.capture_missed_steps.inc(summary.get("capture_missed_steps", 0))
         if accept_length is not None:
             self.accept_length.set(accept_length)
+        if "forecast_accept_length" in summary:
+            self.calibrated_accept_length.set(summary["accept_length"])
+            self.forecast_accept_length.set(summary["forecast_accept_length"])
+
+
+class PredictTimer:
+    """The expert predictor's time per draft step, measured without a host sync.
+
+    On the CPU the prediction's wall time (its ops run as they are called). On a CUDA device a
+    pair of timing events around it, harvested by :meth:`totals` once the end event has
+    completed (``query``: never waiting), at most ``max_pending`` pairs in flight (a step
+    finding none free is not timed). Predictions inside a CUDA-graph capture, and so their
+    replays, are not timed (an event recorded during capture would need a graph node), nor
+    those traced by ``torch.compile``.
+
+    Attributes:
+        seconds, timed: the measured seconds and predictions so far (host numbers).
+    """
+
+    def __init__(self, device, *, max_pending: int = 8):
+        self.device = torch.device(device)
+        self.max_pending = max_pending
+        self.seconds = 0.0
+        self.timed = 0
+        self._free: list = []  # event pairs ready to record
+        self._pending: list = []  # recorded pairs, oldest first
+        self._made = 0
+
+    def start(self):
+        """Marks a prediction's start; returns what :meth:`stop` takes (None: not timed)."""
+        if torch.compiler.is_compiling():
+            return None
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        if self._free:
+            pair = self._free.pop()
+        elif self._made < self.max_pending:
+            pair = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._made += 1
+        else:
+            return None
+        pair[0].record()
+        return pair
+
+    def stop(self, started) -> None:
+        """Marks the end of the prediction :meth:`start` returned ``started`` for."""
+        if started is None:
+            return
+        if isinstance(started, float):
+            self.seconds += time.perf_counter() - started
+            self.timed += 1
+            return
+        started[1].record()
+        self._pending.append(started)
+
+    def totals(self) -> tuple[float, int]:
+        """(seconds, predictions) timed so far, counting every event pair that has completed
+        (never waits)."""
+        while self._pending and self._pending[0][1].query():
+            begin, end = self._pending.pop(0)
+            self.seconds += begin.elapsed_time(end) / 1e3
+            self.timed += 1
+            self._free.append((begin, end))
+        return self.seconds, self.timed
 
 
 class DecodeLineFields(logging.Filter):

@@ -43,6 +43,7 @@ from typing import NamedTuple
 import torch
 from sglang.srt.plugins.hook_registry import HookType
 
+from sglang_ecospec.acceptance import window_summary
 from sglang_ecospec.hooks import HookSlot
 
 logger = logging.getLogger(__name__)
@@ -223,15 +224,25 @@ class VerifyStats:
     the means since its own last read.
 
     Per verify step: the unique experts each MoE layer loaded (the union over the step's
-    verify tokens, batch-wide); the predictor's hits (predicted top-K ids among the true
-    ones, measured before it learns from them); whether some verify row of some MoE layer was
-    not captured. Totals are never reset, so several readers with different intervals (the
-    "EcoSpec:" line, SGLang's decode log line and /metrics) see the same steps without taking
-    them from one another.
+    verify tokens, batch-wide); the predictor's hits per MoE layer (predicted top-K ids among
+    the true ones, measured before it learns from them); whether some verify row of some MoE
+    layer was not captured. Totals are never reset, so several readers with different
+    intervals (the "EcoSpec:" line, SGLang's decode log line and /metrics) see the same steps
+    without taking them from one another.
+
+    Args:
+        num_experts: E.
+        device: where the totals live.
+        layer_ids: the target's MoE layer ids, in the routing's L order (the per-layer
+            recall is reported under them).
+        acceptance: float64 ``[3]`` or None: ``AcceptanceTracker.totals`` (calibrated
+            acceptance), copied with the totals; each summary then carries the forecast and
+            measured acceptance length (:func:`sglang_ecospec.acceptance.window_summary`).
 
     Attributes:
-        totals: int64 ``[3]`` on the device: unique experts summed over layers and steps,
-            predictor hits, verify steps whose routing was not fully captured.
+        totals: int64 ``[2 + L]`` on the device: unique experts summed over layers and
+            steps, verify steps whose routing was not fully captured, then the predictor hits
+            of each MoE layer.
         steps, tokens: verify steps and tokens so far (Python ints: deciding when to read
             needs no sync).
         layer_steps, slots: the host-side denominators, MoE layers x steps and
@@ -239,15 +250,25 @@ class VerifyStats:
         missed_reported: uncaptured steps already logged as an error (host, as of a read).
     """
 
-    def __init__(self, num_experts: int, device, *, num_layers: int | None = None):
+    def __init__(
+        self,
+        num_experts: int,
+        device,
+        *,
+        layer_ids: list[int],
+        acceptance: torch.Tensor | None = None,
+    ):
         self.num_experts = num_experts
-        self.totals = torch.zeros(3, dtype=torch.int64, device=device)
-        # totals += (unique, hits, clamp(min id, max=0)) * (1, 1, -1): one kernel.
-        self._signs = torch.tensor([1, 1, -1], dtype=torch.int64, device=device)
+        # Calibrated acceptance's own device totals (float64 [3]), read with these.
+        self.acceptance = acceptance
+        self.layer_ids = list(layer_ids)
+        layers = len(self.layer_ids)
+        self.totals = torch.zeros(2 + layers, dtype=torch.int64, device=device)
+        # totals += (unique, clamp(min id, max=0), layer hits) * (1, -1, 1): one kernel.
+        self._signs = torch.ones(2 + layers, dtype=torch.int64, device=device)
+        self._signs[1] = -1
         self._true = torch.ones((), dtype=torch.bool, device=device)
-        self._layer_index = None  # int64 [1, L, 1] (made on the first update if L is unknown)
-        if num_layers is not None:
-            self._layer_index = torch.arange(num_layers, device=device).view(1, num_layers, 1)
+        self._layer_index = torch.arange(layers, device=device).view(1, layers, 1)
         self.steps = 0
         self.tokens = 0
         self.layer_steps = 0
@@ -264,15 +285,18 @@ class VerifyStats:
                 ids per row, as ``topk`` gives them).
         """
         num_tokens, layers, top_k = routing.shape
-        if self._layer_index is None or self._layer_index.shape[1] != layers:
-            self._layer_index = torch.arange(layers, device=routing.device).view(1, layers, 1)
+        if layers != self._layer_index.shape[1]:
+            raise ValueError(
+                f"routing covers {layers} MoE layers, the statistics {self._layer_index.shape[1]}"
+            )
         union = torch.zeros((layers, self.num_experts), dtype=torch.bool, device=routing.device)
         # [L, E]; an uncaptured row's -1 marks expert E-1 (such a step is counted as missed).
         union.index_put_((self._layer_index, routing), self._true)
         # Routing ids are distinct per row, so equal pairs count the hits; -1 never hits.
-        hits = (predicted[..., :, None] == routing[..., None, :]).sum()
+        layer_hits = (predicted[..., :, None] == routing[..., None, :]).sum((0, 2, 3))  # [L]
         missed = routing.amin().clamp(max=0)  # -1: some row was not captured
-        self.totals.addcmul_(torch.stack((union.sum(), hits, missed)), self._signs)
+        step = torch.cat((union.sum()[None], missed[None], layer_hits))
+        self.totals.addcmul_(step, self._signs)
         self.steps += 1
         self.tokens += num_tokens
         self.layer_steps += layers
@@ -291,9 +315,10 @@ class VerifyStats:
             )
             self.missed_reported = total_missed
 
-    def window(self) -> "StatsWindow":
-        """A new reader whose first window starts now."""
-        return StatsWindow(self)
+    def window(self, timer=None) -> "StatsWindow":
+        """A new reader whose first window starts now; ``timer`` (a
+        :class:`sglang_ecospec.metrics.PredictTimer`, or None) adds the prediction time."""
+        return StatsWindow(self, timer)
 
 
 class _Mark(NamedTuple):
@@ -306,6 +331,7 @@ class _Mark(NamedTuple):
     slots: int
     totals: torch.Tensor
     event: object = None
+    acceptance: torch.Tensor | None = None  # host copy of VerifyStats.acceptance
 
 
 class StatsWindow:
@@ -313,18 +339,23 @@ class StatsWindow:
 
     Either synchronous (:meth:`read`, one host sync per read: SGLang's decode log line and
     /metrics) or asynchronous (:meth:`request` then :meth:`ready`: the "EcoSpec:" line); a
-    window uses one of the two.
+    window uses one of the two. With a ``timer`` (:class:`sglang_ecospec.metrics.PredictTimer`)
+    the summaries also carry the prediction time of the steps timed since the last one.
     """
 
-    def __init__(self, stats: VerifyStats):
+    def __init__(self, stats: VerifyStats, timer=None):
         self.stats = stats
+        self.timer = timer
         self._base = self._requested = self._mark(stats.totals.cpu())  # startup: one read
         self._base_totals = self._base.totals.tolist()
+        self._timer_base = timer.totals() if timer is not None else (0.0, 0)
         self._pending: list[_Mark] = []
+        accepted = stats.acceptance
+        self._acceptance_base = None if accepted is None else accepted.tolist()
 
-    def _mark(self, totals: torch.Tensor, event=None) -> _Mark:
+    def _mark(self, totals: torch.Tensor, event=None, acceptance=None) -> _Mark:
         s = self.stats
-        return _Mark(s.steps, s.tokens, s.layer_steps, s.slots, totals, event)
+        return _Mark(s.steps, s.tokens, s.layer_steps, s.slots, totals, event, acceptance)
 
     @property
     def pending_steps(self) -> int:
@@ -338,28 +369,31 @@ class StatsWindow:
         Returns:
             ``verify_steps``, ``unique_experts_per_layer`` (per verify step, mean over MoE
             layers), ``predictor_recall`` (over the window's verify tokens),
+            ``predictor_recall_per_layer`` (MoE layer id -> recall over the same tokens),
             ``verify_tokens_per_step``, ``capture_missed_steps`` (verify steps whose routing
-            was not captured; new ones are logged as an error, once across readers).
+            was not captured; new ones are logged as an error, once across readers),
+            ``predict_ms_per_step`` (mean milliseconds of the predictions timed since the
+            last read; None without a timer or when none was timed).
         """
         if self.pending_steps <= 0:
             return None
-        mark = self._mark(self.stats.totals.cpu())
+        accepted = self.stats.acceptance
+        mark = self._mark(
+            self.stats.totals.cpu(), None, None if accepted is None else accepted.cpu()
+        )
         self._requested = mark
-        return self._advance(mark)
+        return self._summary(mark)
 
     def request(self) -> None:
         """Starts an asynchronous read of the window (a device -> pinned host copy and an
         event on the current stream; no host sync): :meth:`ready` returns it once there."""
         totals = self.stats.totals
         event = None
+        host, accepted = _host_copy(totals), _host_copy(self.stats.acceptance)
         if totals.is_cuda:
-            host = torch.empty(totals.shape, dtype=totals.dtype, pin_memory=True)
-            host.copy_(totals, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        else:
-            host = totals.clone()
-        self._requested = self._mark(host, event)
+        self._requested = self._mark(host, event, accepted)
         self._pending.append(self._requested)
 
     def ready(self) -> list[dict]:
@@ -367,8 +401,18 @@ class StatsWindow:
         oldest first; never waits."""
         done = []
         while self._pending and (self._pending[0].event is None or self._pending[0].event.query()):
-            done.append(self._advance(self._pending.pop(0)))
+            done.append(self._summary(self._pending.pop(0)))
         return done
+
+    def _summary(self, mark: _Mark) -> dict:
+        """:meth:`_advance`'s summary, plus calibrated acceptance's forecast and measured
+        acceptance length over the same steps when it is on."""
+        summary = self._advance(mark)
+        if mark.acceptance is not None:
+            now = mark.acceptance.tolist()
+            summary.update(window_summary(self._acceptance_base, now))
+            self._acceptance_base = now
+        return summary
 
     def _advance(self, mark: _Mark) -> dict:
         """The summary from the base to ``mark`` (whose host totals are there), which becomes
@@ -376,13 +420,38 @@ class StatsWindow:
         now = mark.totals.tolist()
         base, before = self._base, self._base_totals
         self._base, self._base_totals = mark, now
-        unique, hits, missed = (a - b for a, b in zip(now, before, strict=True))
+        unique, missed, *layer_hits = (a - b for a, b in zip(now, before, strict=True))
+        hits = sum(layer_hits)
         steps = mark.steps - base.steps
-        self.stats.report_missed(now[2])
+        self.stats.report_missed(now[1])
+        layer_slots = max(1, (mark.slots - base.slots) // max(1, len(layer_hits)))
         return {
             "verify_steps": steps,
             "unique_experts_per_layer": unique / max(1, mark.layer_steps - base.layer_steps),
             "predictor_recall": hits / max(1, mark.slots - base.slots),
+            "predictor_recall_per_layer": {
+                layer: layer_hit / layer_slots
+                for layer, layer_hit in zip(self.stats.layer_ids, layer_hits, strict=True)
+            },
             "verify_tokens_per_step": (mark.tokens - base.tokens) / max(1, steps),
             "capture_missed_steps": missed,
+            "predict_ms_per_step": self._predict_ms(),
         }
+
+    def _predict_ms(self) -> float | None:
+        if self.timer is None:
+            return None
+        (seconds, timed), (seconds_before, timed_before) = self.timer.totals(), self._timer_base
+        self._timer_base = (seconds, timed)
+        if timed == timed_before:
+            return None
+        return 1e3 * (seconds - seconds_before) / (timed - timed_before)
+
+
+def _host_copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """A host copy of a device tensor: pinned and asynchronous from a CUDA device (valid once
+    a later event completes), a clone on the CPU; None for None."""
+    if tensor is None or not tensor.is_cuda:
+        return None if tensor is None else tensor.clone()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)

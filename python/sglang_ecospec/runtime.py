@@ -2,22 +2,27 @@
 
 Built by the worker (``algorithm.EcoSpecWorker``) before SGLang sizes the KV pool, so that
 its tensors are charged to it (:mod:`sglang_ecospec.memory`): the expert predictor (online,
-or a trained head), the selector, the routing capture and its statistics, under expert
-parallelism the expert -> EP rank placement, with ``eps=auto`` the cost model's eps table,
-with more than one rank per batch the TP agreement (rank 0's verify set broadcast, the
-periodic predictor-state check: :mod:`sglang_ecospec.tp_agreement`); it activates the hooks
-that use them (:mod:`sglang_ecospec.hooks`) and is called before each decode step, around
-each verify, and after each decode batch's results (the "EcoSpec:" line).
+vocab, context or a trained head: :mod:`sglang_ecospec.served_predictor`, with the tokens
+verified before each request's root for the context predictors), the selector, the routing
+capture and its statistics, under expert parallelism the expert -> EP rank placement, with
+``eps=auto`` the cost model's eps table, with more than one rank per batch the TP agreement
+(rank 0's verify set broadcast, the periodic predictor-state check:
+:mod:`sglang_ecospec.tp_agreement`); it activates the hooks that use them
+(:mod:`sglang_ecospec.hooks`) and is called before each decode step, around each verify, and
+after each decode batch's results (the "EcoSpec:" line).
 
 After a verify (:meth:`EcoSpecRuntime.after_verify`) everything stays on the device: the
-step's statistics, the online predictor's update, every ``log_interval`` steps an
-asynchronous snapshot of the statistics; about 20 small kernels, no host sync
-(test/plugin/test_graph_safety.py counts them).
+step's statistics, the predictor's update (with each verify row's parent token for the
+context predictors), with the recall-weighted cost the live recall, with calibrated
+acceptance the calibrator's learning from SGLang's accepted paths
+(:mod:`sglang_ecospec.acceptance`), every ``log_interval`` steps an asynchronous snapshot of
+the statistics; about 20 small kernels (about 60 more for calibrated acceptance), no host
+sync (test/plugin/test_graph_safety.py counts them).
 """
 
 import logging
 
-from sglang_ecospec import memory, tp_agreement
+from sglang_ecospec import acceptance, memory, metrics, tp_agreement
 from sglang_ecospec.algorithm import NAME
 from sglang_ecospec.settings import EcoSpecSettings
 
@@ -48,8 +53,14 @@ class EcoSpecRuntime:
         batch are read from SGLang's parallel state (``tp_agreement.selection_group``), their
         predictor states compared every ``tp_check_interval`` verify steps. ValueError when
         the settings do not fit the served model or its parallelism."""
-        from sgl_ecospec.predictors import LowRankExpertHead, OnlineExpertPredictor
-        from sglang_ecospec import ep_placement, eps_table, hooks, metrics, routing, selection
+        from sglang_ecospec import (
+            ep_placement,
+            eps_table,
+            hooks,
+            routing,
+            selection,
+            served_predictor,
+        )
 
         layer_ids, num_experts, top_k = routing.moe_layout(hf_config)
         if settings.verify_moe_kernel:
@@ -74,27 +85,7 @@ class EcoSpecRuntime:
                 max_batch=max_batch,
                 ep_size=ep_layout.ep_size if placement is not None else 1,
             )
-        shape = {"num_layers": len(layer_ids), "num_experts": num_experts, "top_k": top_k}
-        if settings.predictor == "head":
-            # The draft reads the target's token embeddings: its hidden size is the target's.
-            predictor = LowRankExpertHead.load(
-                settings.predictor_file,
-                device=device,
-                hidden_size=routing.text_config(hf_config).hidden_size,
-                **shape,
-            )
-        elif settings.predictor_file:
-            predictor = OnlineExpertPredictor.load(settings.predictor_file, device=device, **shape)
-        else:
-            predictor = OnlineExpertPredictor(
-                len(layer_ids),
-                num_experts,
-                top_k,
-                num_buckets=settings.num_buckets,
-                prior_weight=settings.prior_weight,
-                halve_every=settings.halve_every,
-                device=device,
-            )
+        predictor = served_predictor.build_predictor(settings, hf_config, device)
         self.settings = settings
         self.predictor = predictor
         self.placement = placement
@@ -102,6 +93,20 @@ class EcoSpecRuntime:
         self.tp_sync = tp_agreement.TpAgreement.for_group(
             tp_agreement.selection_group(), interval=tp_check_interval
         )
+        if num_steps is None:
+            num_steps = 1
+            while memory.num_candidates(topk, num_steps) < num_draft_tokens - 1:
+                num_steps += 1
+        self.timer = metrics.PredictTimer(device)  # each draft step's prediction
+        self.acceptance = None  # setting calibrated_acceptance: used by the selector
+        if settings.calibrated_acceptance:
+            self.acceptance = acceptance.AcceptanceTracker(
+                topk=topk,
+                num_steps=num_steps,
+                num_draft_tokens=num_draft_tokens,
+                max_batch=max_batch,
+                device=device,
+            )
         self.selector = selection.EcoSpecSelector(
             settings,
             predictor,
@@ -112,19 +117,27 @@ class EcoSpecRuntime:
             placement=placement,
             eps_table=table,
             tp_sync=self.tp_sync,
+            acceptance=self.acceptance,
+            timer=self.timer,
         )
+        # The token before each request's root, for a predictor that reads context.
+        self.root_context = None
+        if predictor.needs_context:
+            self.root_context = served_predictor.RootContext(max_batch, device)
         self.capture = routing.RoutingCapture(
             layer_ids, top_k, max_batch * num_draft_tokens, device
         )
-        self.stats = routing.VerifyStats(num_experts, device, num_layers=len(layer_ids))
-        self.log_window = self.stats.window()  # the "EcoSpec:" line (asynchronous reads)
-        self.decode_log_window = self.stats.window()  # SGLang's decode log line, /metrics
+        self.stats = routing.VerifyStats(
+            num_experts,
+            device,
+            layer_ids=layer_ids,
+            acceptance=self.acceptance.totals if self.acceptance is not None else None,
+        )
+        # The "EcoSpec:" line (asynchronous reads); SGLang's decode log line and /metrics.
+        self.log_window = self.stats.window(self.timer)
+        self.decode_log_window = self.stats.window(self.timer)
         self.summaries: list[dict] = []  # what the "EcoSpec:" lines reported
         self._warned_overflow = False
-        if num_steps is None:
-            num_steps = 1
-            while memory.num_candidates(topk, num_steps) < num_draft_tokens - 1:
-                num_steps += 1
         self.memory = memory.plugin_memory_bytes(
             settings,
             memory.ModelShape(len(layer_ids), num_experts, top_k),
@@ -151,8 +164,9 @@ class EcoSpecRuntime:
         self._bindings = bindings
         hooks.activate(bindings)
         logger.info(
-            "%s active: %d MoE layers x %d experts (top-%d), predictor %s, policy %s, eps %s, "
-            "share_buffer %s, EP cost %s, learn %s, verify-MoE kernel %s, TP agreement %s",
+            "%s active: %d MoE layers x %d experts (top-%d), predictor %s, policy %s, eps %s "
+            "(recall-weighted cost %s), share_buffer %s, EP cost %s, learn %s, verify-MoE "
+            "kernel %s, TP agreement %s",
             NAME,
             len(layer_ids),
             num_experts,
@@ -160,6 +174,7 @@ class EcoSpecRuntime:
             settings.predictor,
             settings.policy,
             settings.eps,
+            "on" if settings.recall_weighted_cost else "off",
             settings.share_buffer,
             f"over {placement.num_ranks} ranks" if placement is not None else "off",
             settings.learn,
@@ -167,28 +182,61 @@ class EcoSpecRuntime:
             f"over {self.tp_sync.world_size} ranks" if self.tp_sync is not None else "off",
         )
 
-    def before_decode(self, spec_info) -> None:
+    def before_decode(self, spec_info, req_pool_indices=None) -> None:
         """At the start of a decode step, on the forward stream: applies a pending EPLB
         refresh of the EP placement (``ep_placement``), then seeds the selector with the
-        batch's bonus tokens (the draft trees' roots)."""
+        batch's bonus tokens (the draft trees' roots) and, for a predictor that reads
+        context, the token verified before each (by ``req_pool_indices`` int ``[B]``, the
+        batch's request-pool slots; None: unknown)."""
         if self.placement is not None:
             self.placement.apply_refresh()
         roots = None
         if spec_info is not None and spec_info.is_draft_input():
             roots = getattr(spec_info, "bonus_tokens", None)
-        self.selector.set_roots(roots)
+        context = None
+        if self.root_context is not None and roots is not None and req_pool_indices is not None:
+            context = self.root_context.lookup(req_pool_indices)
+        self.selector.set_roots(roots, context)
+
+    def forget_requests(self, req_pool_indices) -> None:
+        """A prefill (extend) forward of these request-pool slots (int ``[B]``): the tokens
+        recorded before their roots belong to earlier requests."""
+        if self.root_context is not None and req_pool_indices is not None:
+            self.root_context.forget(req_pool_indices)
+
+    def track_roots(self, verify_input, result, req_pool_indices) -> None:
+        """Records the token before each next root from SGLang's verify ``result``
+        (``accept_index``, ``accept_lens``) for a predictor that reads context; also after the
+        utility gate's plain-decoding verifies, which :meth:`after_verify` skips."""
+        tokens = getattr(verify_input, "draft_token", None)
+        accept_index = getattr(result, "accept_index", None)
+        accept_lens = getattr(result, "accept_lens", None)
+        if (
+            self.root_context is None
+            or req_pool_indices is None
+            or tokens is None
+            or accept_index is None
+            or accept_lens is None
+            or accept_index.dim() != 2
+            or accept_index.shape[0] == 0
+        ):
+            return
+        self.root_context.after_verify(tokens, accept_index, accept_lens, req_pool_indices)
 
     def before_verify(self) -> None:
         """Before SGLang's verify forward: every routing row marked uncaptured (one fill)."""
         self.capture.begin_forward()
 
-    def after_verify(self, verify_input) -> None:
-        """Measures and learns from the routing of the verify pass that just ran, on the
-        device (no host sync; every ``log_interval`` steps an asynchronous snapshot for the
-        "EcoSpec:" line, logged by :meth:`poll_log`)."""
+    def after_verify(self, verify_input, result=None, req_pool_indices=None) -> None:
+        """Measures and learns from the routing of the verify pass that just ran, and with
+        calibrated acceptance from SGLang's result (its ``accept_index``), on the device (no
+        host sync; every ``log_interval`` steps an asynchronous snapshot for the "EcoSpec:"
+        line, logged by :meth:`poll_log`); ``req_pool_indices`` (int ``[B]``) keys the
+        tokens before the next roots (:meth:`track_roots`)."""
         tokens = getattr(verify_input, "draft_token", None)
         if tokens is None or tokens.numel() == 0:
             return
+        self.track_roots(verify_input, result, req_pool_indices)
         count = tokens.numel()
         if count > self.capture.max_tokens:
             if not self._warned_overflow:
@@ -199,11 +247,22 @@ class EcoSpecRuntime:
             return
         routing_ids = self.capture.verify_routing(count)  # [T, L, K], -1: not captured
         # What selection predicted for these rows, before any learning from them.
-        self.stats.update(routing_ids, self.selector.verify_topk[:count])
+        predicted = self.selector.verify_topk[:count]
+        self.stats.update(routing_ids, predicted)
+        live = self.selector.live_recall
+        if live is not None:  # the recall-weighted cost's trust, from captured rows only
+            captured = routing_ids.amin((1, 2)) >= 0  # [T]
+            live.update(predicted.long(), routing_ids.clamp_min(0), captured)
         if self.settings.learn and not self.predictor.needs_hidden:
             # Rows SGLang did not capture (counted above, logged on read) learn expert 0.
             learnt = routing_ids.clamp_min(0)
-            self.predictor.observe(tokens.flatten(), learnt, validate=False)
+            context = {}
+            if self.selector.verify_context is not None:
+                context = {"context_tokens": self.selector.verify_context[:count]}
+            self.predictor.observe(tokens.flatten(), learnt, validate=False, **context)
+        accept_index = getattr(result, "accept_index", None)
+        if self.acceptance is not None and self.acceptance.accepts(accept_index, count):
+            self.acceptance.after_verify(accept_index)  # forecast counted, then learnt
         if self.tp_sync is not None:  # every tp_check_interval steps: compare the tables
             self.tp_sync.after_verify(self.predictor)
         interval = self.settings.log_interval
@@ -217,11 +276,13 @@ class EcoSpecRuntime:
             self.summaries.append(summary)
             logger.info(
                 "EcoSpec: %d verify steps, unique experts/layer/step %.2f, predictor recall "
-                "%.3f, verify tokens/step %.1f",
+                "%.3f, verify tokens/step %.1f%s%s",
                 summary["verify_steps"],
                 summary["unique_experts_per_layer"],
                 summary["predictor_recall"],
                 summary["verify_tokens_per_step"],
+                metrics.predict_log_field(summary),
+                acceptance.log_fields(summary),
             )
 
     def close(self) -> None:

@@ -25,13 +25,31 @@ persistent buffer that EPLB updates refresh in place, :mod:`sglang_ecospec.ep_pl
 with ``num_ranks`` and ``total_weight``; with ``eps="auto"`` it looks eps up by batch size in
 the cost model's table (:mod:`sglang_ecospec.eps_table`), on the host.
 
-Expert predictions: the online predictor reads candidate token ids only; a trained
+Expert predictions: the online predictor reads candidate token ids only; the ``vocab`` and
+``context`` predictors (:class:`sgl_ecospec.predictors.ContextExpertPredictor`) also each row's
+parent token (``needs_context``): a candidate's parent candidate's token, the root's for a
+child of the root, and for the root the token verified before it (:meth:`EcoSpecSelector.
+set_roots`, -1 where unknown), built by the library's ``tree_context``; the parent tokens of
+the verify rows are kept for ``observe`` (:attr:`EcoSpecSelector.verify_context`). A trained
 :class:`sgl_ecospec.predictors.LowRankExpertHead` also reads the draft state that proposed each
 candidate, which :func:`select_hook` (an AROUND hook on SGLang's ``select_top_k_tokens``, the
 per-step function that receives those states) hands to the selector: at step 0 the root's
 state ``[B, H]`` proposes all K candidates, at step i the K beams' states ``[B*K, H]`` propose
 K children each. The predictions of the verify rows (root, then the chosen candidates) are kept
 in a persistent buffer, so the predictor's recall is measured on what selection used.
+
+Recall-weighted cost (setting ``recall_weighted_cost``): DeltaCost trusts only what the
+predictor knows, as the offline engine's: each layer's trust from the predictor's
+:class:`sgl_ecospec.predictors.LiveRecall` (fed after every verify by the runtime) and the
+experts it misses added to eps, folded into the layer weights on the device
+(:func:`trusted_layer_weights`) so that nothing is read on the host.
+
+Calibrated acceptance (setting ``calibrated_acceptance``, :mod:`sglang_ecospec.acceptance`):
+with policy "ecospec" the scores handed to ``select_step`` are the calibrated acceptance
+probabilities of the library's ``AcceptanceCalibrator`` instead of the draft's cumulative
+probabilities ("confidence" keeps SGLang's ranking: it is the arm that reproduces EAGLE3's
+verify sets); under either policy the tree, the verified set and its forecast are kept for
+learning after the verify.
 
 Tensor parallelism: every rank of an attention-TP group selects on the same batch, but its
 predictor tables are learnt from its own captured routing and may drift apart, so with more
@@ -58,8 +76,9 @@ import logging
 import torch
 
 from sgl_ecospec.ops.selection import SelectionOptions
-from sgl_ecospec.predictors import ExpertPredictor
+from sgl_ecospec.predictors import ExpertPredictor, LiveRecall
 from sgl_ecospec.step import batch_index, select_step, verify_rows
+from sglang_ecospec.acceptance import AcceptanceTracker
 from sglang_ecospec.ep_placement import ExpertPlacement
 from sglang_ecospec.eps_table import EpsTable
 from sglang_ecospec.hooks import HookSlot
@@ -91,30 +110,61 @@ def candidate_parents(parent_list: torch.Tensor, num_candidates: int, topk: int)
     return parent_list[:, slots].long()
 
 
+def trusted_layer_weights(live: LiveRecall, eps: float) -> torch.Tensor:
+    """float32 ``[L]``: DeltaCost's layer weights under the recall-weighted cost, on the
+    device.
+
+    The library's rule (``LiveRecall``, as the offline engine's ``recall_weighted_selection``
+    applies it) weights layer l by its trust w_l and raises eps by the unpredicted cost U,
+    which the engine reads on the host. P / (w.Delta + eps + U) = (1 / c) * P / (c w.Delta +
+    eps) with c = eps / (eps + U), the same for every candidate of the step, so the weights
+    c w_l with eps unchanged rank the candidates alike and keep U on the device.
+    """
+    return live.layer_weights() * (eps / (eps + live.unpredicted_cost()))
+
+
 class BlockPredictor:
     """A predictor's ``predict_topk`` over at most ``rows`` rows at a time (the predictions
     are per row, so the result is the same; only the peak of the float scoring temporaries
-    changes). What ``sgl_ecospec.step.select_step`` reads of a predictor."""
+    changes), timed by ``timer`` (a :class:`sglang_ecospec.metrics.PredictTimer`, or None).
+    What ``sgl_ecospec.step.select_step`` reads of a predictor."""
 
-    def __init__(self, predictor: ExpertPredictor, rows: int):
+    def __init__(self, predictor: ExpertPredictor, rows: int, timer=None):
         if rows < 1:
             raise ValueError(f"rows must be >= 1, got {rows}")
         self.predictor = predictor
         self.rows = rows
+        self.timer = timer
         self.num_layers = predictor.num_layers
         self.num_experts = predictor.num_experts
         self.top_k = predictor.top_k
         self.needs_hidden = predictor.needs_hidden
+        self.needs_context = predictor.needs_context
 
-    def predict_topk(self, token_ids, hidden=None, *, validate=False) -> torch.Tensor:
-        """``predict_topk`` of the wrapped predictor, block by block; int64 ``[T, L, K]``."""
+    def predict_topk(
+        self, token_ids, hidden=None, *, validate=False, context_tokens=None
+    ) -> torch.Tensor:
+        """``predict_topk`` of the wrapped predictor, block by block; int64 ``[T, L, K]``
+        (``context_tokens`` int64 ``[T]`` only for a predictor that ``needs_context``)."""
+        started = None if self.timer is None else self.timer.start()
         predict = self.predictor.predict_topk
+        extra = {} if context_tokens is None else {"context_tokens": context_tokens}
         if token_ids.shape[0] <= self.rows:
-            return predict(token_ids, hidden, validate=validate)
-        ids = token_ids.split(self.rows)
-        states = [None] * len(ids) if hidden is None else hidden.split(self.rows)
-        blocks = [predict(i, h, validate=validate) for i, h in zip(ids, states, strict=True)]
-        return torch.cat(blocks)
+            out = predict(token_ids, hidden, validate=validate, **extra)
+        else:
+            ids = token_ids.split(self.rows)
+            states = [None] * len(ids) if hidden is None else hidden.split(self.rows)
+            contexts = [None] * len(ids)
+            if context_tokens is not None:
+                contexts = context_tokens.split(self.rows)
+            blocks = [
+                predict(i, h, validate=validate, **({} if c is None else {"context_tokens": c}))
+                for i, h, c in zip(ids, states, contexts, strict=True)
+            ]
+            out = torch.cat(blocks)
+        if self.timer is not None:
+            self.timer.stop(started)
+        return out
 
 
 class EcoSpecSelector:
@@ -136,6 +186,12 @@ class EcoSpecSelector:
             selection. None (one rank): no collective.
         score_rows: rows predicted at once (:class:`BlockPredictor`); None:
             :func:`sglang_ecospec.memory.score_chunk_rows` of the predictor's shape.
+        acceptance: the calibrated acceptance (setting ``calibrated_acceptance``): policy
+            "ecospec" weighs calibrated acceptance probabilities, and the tree, verify set
+            and forecast are kept for learning after the verify; None: the draft's
+            cumulative probabilities, nothing kept.
+        timer: times each step's prediction (:class:`sglang_ecospec.metrics.PredictTimer`),
+            or None.
     """
 
     def __init__(
@@ -151,6 +207,8 @@ class EcoSpecSelector:
         eps_table: EpsTable | None = None,
         tp_sync: TpAgreement | None = None,
         score_rows: int | None = None,
+        acceptance: AcceptanceTracker | None = None,
+        timer=None,
     ):
         if settings.eps_auto != (eps_table is not None):
             raise ValueError("eps_table is required with eps='auto' and only then")
@@ -167,11 +225,12 @@ class EcoSpecSelector:
         if score_rows is None:
             shape = ModelShape(predictor.num_layers, predictor.num_experts, predictor.top_k)
             score_rows = score_chunk_rows(shape)
-        self.block_predictor = BlockPredictor(predictor, score_rows)
+        self.block_predictor = BlockPredictor(predictor, score_rows, timer)
         self.topk = topk
         self.num_draft_tokens = num_draft_tokens
         self.placement = placement
         self.tp_sync = tp_sync
+        self.acceptance = acceptance
         self.options = settings.selection_options()
         # One checked copy per eps (the cost model's table has a few buckets), so a decode
         # step does not rebuild and re-check its options.
@@ -192,6 +251,17 @@ class EcoSpecSelector:
         # a graph replay are marked invalid so they neither seed nor take experts.
         self.root_tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)  # [Bmax]
         self.root_valid = torch.zeros(max_batch, dtype=torch.bool, device=device)  # [Bmax]
+        self.root_context = None  # int64 [Bmax]: the token before each root, -1 unknown
+        self.verify_context = None  # int64 [Bmax * D]: the verify rows' parent tokens
+        if predictor.needs_context:
+            self.root_context = torch.full((max_batch,), -1, dtype=torch.int64, device=device)
+            self.verify_context = torch.full(
+                (max_batch * num_draft_tokens,), -1, dtype=torch.int64, device=device
+            )
+        # The predictor's live recall, which the runtime updates after each verify.
+        self.live_recall = None
+        if settings.recall_weighted_cost:
+            self.live_recall = LiveRecall.of(predictor, device)
 
     @property
     def max_batch(self) -> int:
@@ -211,8 +281,12 @@ class EcoSpecSelector:
             options = self._options_by_eps[eps] = self.options.with_eps(eps)
         return options
 
-    def set_roots(self, bonus_tokens: torch.Tensor | None) -> None:
-        """Records the batch's bonus tokens ``[B]`` (None: unknown, seed nothing)."""
+    def set_roots(
+        self, bonus_tokens: torch.Tensor | None, root_context: torch.Tensor | None = None
+    ) -> None:
+        """Records the batch's bonus tokens ``[B]`` (None: unknown, seed nothing) and, for a
+        predictor that reads context, the token verified before each (int64 ``[B]``, -1
+        unknown; None: all unknown)."""
         if bonus_tokens is None or bonus_tokens.dim() != 1:
             self.root_valid.zero_()
             return
@@ -220,6 +294,11 @@ class EcoSpecSelector:
         self.root_tokens[:count].copy_(bonus_tokens[:count])
         self.root_valid[:count] = True
         self.root_valid[count:] = False
+        if self.root_context is not None:
+            if root_context is None:
+                self.root_context.fill_(-1)
+            else:
+                self.root_context[:count].copy_(root_context[:count])
 
     def record_draft_states(self, step: int, hidden_states: torch.Tensor) -> None:
         """Keeps the draft states that propose step ``step``'s candidates (``[B, H]`` at step
@@ -275,25 +354,41 @@ class EcoSpecSelector:
                 "draft candidates"
             )
         parents = candidate_parents(parent_list, num_candidates, self.topk)  # [B, N]
+        root_context = None
         if batch <= self.max_batch:
             roots, valid = self.root_tokens[:batch], self.root_valid[:batch]
-        else:  # an eager batch past the captured maximum: no seeds
+            if self.root_context is not None:
+                root_context = self.root_context[:batch]
+        else:  # an eager batch past the captured maximum: no seeds, no root context
             roots = torch.zeros(batch, dtype=torch.int64, device=scores.device)
             valid = torch.zeros(batch, dtype=torch.bool, device=scores.device)
         states = None
         if self.predictor.needs_hidden:
             root_states, candidate_states = self._candidate_states(batch, num_candidates)
             states = torch.cat([root_states[:, None], candidate_states], 1)  # [B, 1 + N, H]
+        options = self.options_for(batch)
+        layer_weights = None
+        if self.live_recall is not None:
+            layer_weights = trusted_layer_weights(self.live_recall, options.eps)
+        raw = probs = scores.float()  # [B, N]
+        calibrated = self.acceptance is not None and self.acceptance.fits(num_candidates)
+        if calibrated:
+            probs = self.acceptance.calibrate(raw, parents)
+        # "confidence" stays SGLang's ranking (the A/B arm that verifies EAGLE3's sets); the
+        # calibration weighs P against DeltaCost + eps, and forecasts under either policy.
+        weights = probs if self.settings.policy == "ecospec" else raw
         step = select_step(
             self.block_predictor,
             torch.cat([roots[:, None], tokens.long()], 1),  # [B, 1 + N], root first
-            scores.float(),
+            weights,
             parents,
             budget,
-            self.options_for(batch),
+            options,
             states=states,
             valid=valid,
             placement=self.placement,
+            layer_weights=layer_weights,
+            root_context=root_context,
         )
         index = step.selected  # [B, D-1] ascending; complete, every candidate is reachable
         draft_tokens = torch.gather(tokens, 1, index.clamp_min(0))  # [B, D-1]
@@ -306,9 +401,14 @@ class EcoSpecSelector:
             rows = verify_rows(index)  # [B, D]
             predicted = step.predicted[batch_index(rows), rows]
         if batch <= self.max_batch and num_draft_token == self.num_draft_tokens:
-            self.verify_topk[: predicted.shape[0] * predicted.shape[1]].copy_(
-                predicted.flatten(0, 1)
-            )
+            verified = predicted.shape[0] * predicted.shape[1]
+            self.verify_topk[:verified].copy_(predicted.flatten(0, 1))
+            if self.verify_context is not None:  # for observe after the verify
+                rows = verify_rows(index)  # [B, D]
+                context = step.context[batch_index(rows), rows]  # [B, D]
+                self.verify_context[:verified].copy_(context.flatten())
+            if calibrated:  # the verified set (rank 0's), for learning after the verify
+                self.acceptance.record(raw, parents, probs, index)
         return parent_list, index, draft_tokens
 
 

@@ -25,11 +25,15 @@ from sgl_ecospec.costmodel.calibration import CalibrationFileError, CalibrationP
 from sgl_ecospec.costmodel.profiles import HARDWARE, MODELS, get_hardware, get_model
 from sgl_ecospec.gate import GateOptions
 from sgl_ecospec.ops.selection import DEFAULT_EPS, SelectionOptions
+from sgl_ecospec.predictors.catalog import ONLINE_PREDICTORS
 
 ENV_PREFIX = "SGLANG_ECOSPEC_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
 POLICIES = ("ecospec", "confidence")
-PREDICTORS = ("online", "head")
+PREDICTORS = (*ONLINE_PREDICTORS, "head")
+# ContextExpertPredictor's kinds: a row per token of the target's vocabulary ("context" also
+# the (parent token, token) pairs).
+VOCAB_PREDICTORS = ("vocab", "context")
 AUTO = "auto"  # eps from the cost model
 
 
@@ -63,25 +67,41 @@ class EcoSpecSettings:
         total_weight: in [0, 1], weight of the experts off the busiest rank in the EP cost,
             or None for 1 / ep_size. Read only under EP with ep_cost.
         predictor: "online" (:class:`sgl_ecospec.predictors.OnlineExpertPredictor`: routing
-            counts per token, learnt while serving) or "head" (a trained
+            counts per token in hashed rows, learnt while serving), "vocab" or "context"
+            (:class:`sgl_ecospec.predictors.ContextExpertPredictor` from the library's
+            catalog, a row per token of the target's vocabulary; "context" adds the (parent
+            token, token) pair table) or "head" (a trained
             :class:`sgl_ecospec.predictors.LowRankExpertHead`, from ``sgl-ecospec train-head``:
             reads each candidate's token and the draft state that proposed it; used as
             trained).
-        predictor_file: for "online" a warm start written by ``OnlineExpertPredictor.save``,
-            or None; for "head" the head (required). Its layer count, experts and top-k (and
-            a head's hidden size) must match the served model.
-        learn: update the online predictor from the routing of every verify pass (a head
+        predictor_file: for "online", "vocab" and "context" a warm start written by the
+            predictor's ``save``, or None; for "head" the head (required). Its layer count,
+            experts and top-k (a vocab table's vocabulary, a head's hidden size) must match
+            the served model.
+        learn: update a count-table predictor from the routing of every verify pass (a head
             is not updated).
+        recall_weighted_cost: DeltaCost trusts only what the predictor knows: each MoE
+            layer's predicted experts weighted by the predictor's live recall there
+            (:class:`sgl_ecospec.predictors.LiveRecall`, fed from the verify routing), so that
+            as recall falls selection approaches "confidence". Needs policy "ecospec".
         num_buckets, prior_weight, halve_every: the online predictor's table size, prior
             pseudo-count and ageing period (see its docstring); ignored with predictor_file,
-            which carries its own.
+            which carries its own, and by the other predictors.
         log_interval: verify steps between two "EcoSpec:" log lines (unique experts per
-            layer per verify step, predictor recall); 0 = never. The statistics are copied to
-            the host asynchronously and logged once there (no host sync); SGLang's decode
-            log line reads them once per ``--decode-log-interval``.
+            layer per verify step, predictor recall, prediction time per step); 0 = never.
+            The statistics are copied to the host asynchronously and logged once there (no
+            host sync); SGLang's decode log line reads them once per
+            ``--decode-log-interval``.
         verify_moe_kernel: compute the routed experts of the target's MoE layers in verify
             forwards with EcoSpec's Triton kernel (:mod:`sglang_ecospec.verify_moe_hook`);
             needs a CUDA device, or the CPU development mode (Triton's interpreter).
+        calibrated_acceptance: policy "ecospec" weighs each node by its calibrated
+            acceptance probability, learnt online from the verify results, instead of its
+            cumulative draft probability ("confidence" keeps SGLang's ranking), and the
+            statistics report the forecast acceptance length next to the measured one
+            (:mod:`sglang_ecospec.acceptance`). On by default: lossless, the draft's own
+            probabilities until the first verify result, a few dozen small kernels per step
+            and no host sync.
         gate: the utility gate (:mod:`sglang_ecospec.gate`): per batch-size bucket, decode
             plainly (no draft model, one-token verify) while speculation's measured tokens
             per second fall below plain decoding's; False: always speculate.
@@ -89,6 +109,8 @@ class EcoSpecSettings:
             the gate's first and longest re-probing period, the probes' length, and the
             measured steps of each mode before a fresh bucket's first decision
             (:class:`sgl_ecospec.gate.GateOptions`).
+        gate_probe_budget: the largest share of a bucket's time its probes may lose, in
+            (0, 1]; probes of a mode that loses by far come less often.
     """
 
     policy: str = "ecospec"
@@ -101,16 +123,19 @@ class EcoSpecSettings:
     predictor: str = "online"
     predictor_file: str | None = None
     learn: bool = True
+    recall_weighted_cost: bool = False
     num_buckets: int = 4096
     prior_weight: float = 0.05
     halve_every: int = 0
     log_interval: int = 50
     verify_moe_kernel: bool = False
+    calibrated_acceptance: bool = True
     gate: bool = True
     gate_probe_interval: int = 128
     gate_max_probe_interval: int = 2048
     gate_probe_steps: int = 3
     gate_min_samples: int = 4
+    gate_probe_budget: float = 0.01
 
     def __post_init__(self):
         if self.policy == "adaptive":
@@ -140,8 +165,15 @@ class EcoSpecSettings:
         if self.predictor_file is not None and not os.path.isfile(self.predictor_file):
             raise EcoSpecSettingsError(
                 f"predictor_file {self.predictor_file!r} does not exist; write one with "
-                "OnlineExpertPredictor.save (online) or `sgl-ecospec train-head` (head), or "
-                "leave it unset to start from an empty table (online)"
+                "OnlineExpertPredictor.save (online), ContextExpertPredictor.save (vocab, "
+                "context) or `sgl-ecospec train-head` (head), or leave it unset to start from "
+                "an empty table"
+            )
+        if self.recall_weighted_cost and self.policy != "ecospec":
+            raise EcoSpecSettingsError(
+                "recall_weighted_cost weights EcoSpec's DeltaCost, but policy "
+                f"{self.policy!r} reads no cost: set policy 'ecospec' or unset "
+                "recall_weighted_cost"
             )
         if not 1 <= self.num_buckets < 2**31:
             raise EcoSpecSettingsError(f"num_buckets must be in [1, 2**31), got {self.num_buckets}")
@@ -162,6 +194,7 @@ class EcoSpecSettings:
             max_probe_interval=self.gate_max_probe_interval,
             probe_steps=self.gate_probe_steps,
             min_samples=self.gate_min_samples,
+            probe_budget=self.gate_probe_budget,
         )
 
     def selection_options(self) -> SelectionOptions:

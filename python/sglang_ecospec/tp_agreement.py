@@ -27,6 +27,10 @@ NCCL hang). So the ranks agree by construction:
   tensor), so the tables agree again and selection quality stays the same on every rank. It
   does not raise: the broadcast already keeps the output correct.
 
+The acceptance calibrator (setting ``calibrated_acceptance``, :mod:`sglang_ecospec.acceptance`)
+needs neither: it shapes only a rank's own choice, which the broadcast replaces by rank 0's,
+and every rank learns from that verify set and SGLang's rank-identical ``accept_index``.
+
 The group is SGLang's ``get_dp_tp_group()``: the ranks that run one batch (the attention-TP
 group under attention DP, the TP group otherwise; the group SGLang's speculative TP sync
 uses). With one rank (or no distributed state) there is no :class:`TpAgreement`: no

@@ -98,7 +98,9 @@ def stub_eagle_worker(monkeypatch, events):
     def init(self, server_args, gpu_id, nccl_port, target_worker):
         self.topk, self.speculative_num_steps, self.speculative_num_draft_tokens = 2, 3, 4
         self.device, self._target_worker = "cpu", target_worker
-        self._draft_worker = SimpleNamespace(parallel_layout=None)
+        self._draft_worker = SimpleNamespace(
+            parallel_layout=None, _draft_extend_for_prefill=lambda *args, **kwargs: None
+        )
 
     def alloc(self, memory_pool_config=None, req_to_token_pool=None, **kwargs):
         events.append("draft KV pool")
@@ -209,3 +211,31 @@ def test_runtime_is_built_and_reserved_before_sglang_sizes_the_kv_pool(monkeypat
         assert summary["verify_steps"] == 3 and summary["capture_missed_steps"] == 1
     finally:
         worker.ecospec.close()
+
+
+def test_plain_decoding_steps_verify_one_node_as_a_chain(monkeypatch):
+    """The gate's plain steps (0 draft steps) verify one node per request: SGLang runs them as
+    for topk 1 (no compaction of the accepted path, which is a KV move over every layer), and
+    the worker's topk is back afterwards; speculative steps keep the configured topk."""
+    from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
+    from sglang_ecospec import algorithm
+
+    seen = []
+
+    def verify(self, batch, *args, **kwargs):
+        seen.append(self.topk)
+        if batch.fails:
+            raise RuntimeError("verify failed")
+        return "verified"
+
+    monkeypatch.setattr(EAGLEWorkerV2, "verify", verify)
+    worker = object.__new__(algorithm.worker_class())
+    worker.topk, worker.ecospec = 4, None
+    worker.speculative_num_steps = 0
+    batch = SimpleNamespace(spec_info=None, req_pool_indices=None, fails=False)
+    assert worker.verify(batch) == "verified" and seen == [1] and worker.topk == 4
+    with pytest.raises(RuntimeError, match="verify failed"):
+        worker.verify(SimpleNamespace(spec_info=None, req_pool_indices=None, fails=True))
+    assert worker.topk == 4
+    worker.speculative_num_steps = 3
+    assert worker.verify(batch) == "verified" and seen[-1] == 4

@@ -23,6 +23,10 @@ BATCH, TOPK, STEPS, NDT, L, E, K = 3, 3, 3, 8, 2, 16, 2
 # hashing, tables), the "EcoSpec:" snapshot 2 (pinned buffer, copy). Before: 29 and a host
 # read of the totals every log_interval steps.
 AFTER_VERIFY_OPS = 21
+# Calibrated acceptance (on by default) learning from SGLang's accept_index at this tree's 3
+# draft steps: its own 10, the library's observe 53 (test_acceptance.py), its totals'
+# snapshot 1.
+ACCEPTANCE_OPS = 64
 
 
 @pytest.fixture(autouse=True)
@@ -165,12 +169,18 @@ def test_after_verify_is_a_few_kernels_without_host_sync(monkeypatch):
         for layer in range(L):
             ids = torch.stack([(tokens + layer) % E, (tokens * 3 + 1 + layer) % E], 1)
             routing.after_capture(None, capture_config, layer, ids)
+        # SGLang's verify result: each request's accepted verify rows, flat, root first.
+        accept_index = torch.full((BATCH, STEPS + 1), -1, dtype=torch.int32)
+        accept_index[:, :2] = torch.arange(BATCH)[:, None] * NDT + torch.tensor([0, 1])
         reads.clear()
         with OpLog() as log:
-            runtime.after_verify(SimpleNamespace(draft_token=tokens))
+            runtime.after_verify(
+                SimpleNamespace(draft_token=tokens), SimpleNamespace(accept_index=accept_index)
+            )
         assert reads == []  # no host read of anything on the device
         assert not SYNC_OPS & set(log.names()), log.names()
-        assert len(log.ops) <= AFTER_VERIFY_OPS, log.names()
+        assert len(log.ops) <= AFTER_VERIFY_OPS + ACCEPTANCE_OPS, log.names()
+        assert runtime.acceptance.calibrator.observe_calls == 1
         # The statistics alone: nothing of [T, L, E] and nothing in float.
         with OpLog() as stats_log:
             count = tokens.numel()
@@ -182,6 +192,7 @@ def test_after_verify_is_a_few_kernels_without_host_sync(monkeypatch):
         runtime.poll_log()
         (summary,) = runtime.summaries
         assert summary["verify_steps"] == 1 and summary["verify_tokens_per_step"] == BATCH * NDT
+        assert summary["accept_length"] == 2.0 and summary["forecast_accept_length"] > 1.0
     finally:
         runtime.close()
 
@@ -195,7 +206,7 @@ def test_ecospec_line_waits_for_its_copy_without_blocking():
         def query(self):
             return self.done
 
-    stats = routing.VerifyStats(8, "cpu", num_layers=1)
+    stats = routing.VerifyStats(8, "cpu", layer_ids=[0])
     window = stats.window()
     stats.update(torch.tensor([[[0, 1]], [[2, 1]]]), torch.tensor([[[0, 1]], [[5, 6]]]))
     window.request()

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from sglang_ecospec import ep_placement, memory, routing, selection
+from sglang_ecospec import acceptance, ep_placement, memory, routing, selection
 from sglang_ecospec.settings import EcoSpecSettings
 
 from plugin._helpers import sglang_draft_tree
@@ -108,14 +108,23 @@ def test_step_temporaries_stay_within_the_estimate():
         for layer in range(L):
             ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in tokens])
             routing.after_capture(None, config, layer, ids)
+        # SGLang's accepted paths (flat verify rows, root first): calibrated acceptance learns.
+        accept_index = torch.full((BATCH, STEPS + 1), -1, dtype=torch.int32)
+        accept_index[:, :2] = torch.arange(BATCH)[:, None] * NDT + torch.tensor([0, 1])
+        result = SimpleNamespace(accept_index=accept_index)
         _, _, verify_peak = allocations(
-            lambda: runtime.after_verify(SimpleNamespace(draft_token=tokens))
+            lambda: runtime.after_verify(SimpleNamespace(draft_token=tokens), result)
         )
+        assert runtime.acceptance.calibrator.observe_calls == 1
     finally:
         runtime.close()
     tree_args = {"batch": BATCH, "num_draft_tokens": NDT}
-    selection_bound = memory.selection_step_bytes(SHAPE, topk=TOPK, num_steps=STEPS, **tree_args)
+    calibration = {"batch": BATCH, "topk": TOPK, "num_steps": STEPS}
+    selection_bound = memory.selection_step_bytes(
+        SHAPE, topk=TOPK, num_steps=STEPS, **tree_args
+    ) + acceptance.draft_step_bytes(num_draft_tokens=NDT, **calibration)
     verify_bound = memory.after_verify_bytes(SHAPE, **tree_args)
+    verify_bound += acceptance.after_verify_bytes(**calibration)
     assert selection_peak <= selection_bound <= 1.5 * selection_peak
     assert verify_peak <= verify_bound <= 1.5 * verify_peak
     assert runtime.memory.step == selection_bound + verify_bound

@@ -54,7 +54,7 @@ def decode_line_stats(monkeypatch):
     series = metrics.EcoSpecMetrics(LABELS, registry=registry)
     monkeypatch.setattr(metrics, "_metrics", series)
     predictor = OnlineExpertPredictor(1, 8, 2, num_buckets=64)
-    stats = routing.VerifyStats(8, "cpu")
+    stats = routing.VerifyStats(8, "cpu", layer_ids=[0])
     window, reference = stats.window(), stats.window()
     stats.update(torch.tensor([[[0, 1]], [[1, 0]]]), predictor.predict_topk(torch.tensor([1, 2])))
     stats.update(torch.tensor([[[2, 5]]]), predictor.predict_topk(torch.tensor([3])))
@@ -171,3 +171,87 @@ def test_metrics_are_multiprocess_safe(tmp_path):
     assert sample(registry, "sglang:ecospec_accept_length") == 2.0  # the 2nd record had none
     assert sample(registry, "sglang:ecospec_verify_steps_total") == 7
     assert 'sglang:ecospec_verify_tokens_per_step{model_name="tiny",tp_rank="0"} 10.0' in text
+
+
+def test_per_layer_recall_and_prediction_time_reach_the_metrics(monkeypatch):
+    """Each MoE layer's recall over the window (labelled with the target's layer id) and the
+    prediction time per draft step of the timed steps since the last read."""
+    from prometheus_client import CollectorRegistry
+
+    class Timer:  # metrics.PredictTimer's reading: (seconds, predictions timed) so far
+        reading = (0.0, 0)
+
+        def totals(self):
+            return self.reading
+
+    timer = Timer()
+    stats = routing.VerifyStats(8, "cpu", layer_ids=[3, 7])
+    window = stats.window(timer)
+    # Two tokens, top-2 of MoE layers 3 and 7: layer 3 predicted 3 of 4 ids, layer 7 1 of 4.
+    true = torch.tensor([[[0, 1], [2, 3]], [[4, 5], [6, 7]]])
+    predicted = torch.tensor([[[0, 1], [2, 0]], [[4, 0], [1, 0]]])
+    stats.update(true, predicted)
+    timer.reading = (0.006, 3)  # three predictions timed, 6 ms
+    summary = window.read()
+    assert summary["predictor_recall_per_layer"] == {3: 0.75, 7: 0.25}
+    assert summary["predictor_recall"] == 0.5
+    assert summary["predict_ms_per_step"] == pytest.approx(2.0)
+    registry = CollectorRegistry()
+    series = metrics.EcoSpecMetrics(LABELS, registry=registry)
+    series.record(summary, None)
+    for layer, recall in ((3, 0.75), (7, 0.25)):
+        labels = {**{k: str(v) for k, v in LABELS.items()}, "layer": str(layer)}
+        name = "sglang:ecospec_predictor_recall_per_layer"
+        assert registry.get_sample_value(name, labels) == recall
+    assert sample(registry, "sglang:ecospec_predict_ms_per_step") == pytest.approx(2.0)
+    assert metrics.predict_log_field(summary) == ", predict ms/step 2.000"
+    # No prediction timed since (e.g. every step replayed from a CUDA graph): left as it was.
+    stats.update(true, predicted)
+    summary = window.read()
+    assert summary["predict_ms_per_step"] is None and metrics.predict_log_field(summary) == ""
+    series.record(summary, None)
+    assert sample(registry, "sglang:ecospec_predict_ms_per_step") == pytest.approx(2.0)
+
+
+def test_predict_timer_times_on_the_cpu_and_reads_cuda_events_without_waiting(monkeypatch):
+    timer = metrics.PredictTimer("cpu")
+    started = timer.start()
+    timer.stop(started)
+    seconds, timed = timer.totals()
+    assert timed == 1 and seconds >= 0.0
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert timer.start() is None  # traced into a compiled graph: not timed
+    monkeypatch.undo()
+
+    class Event:  # torch.cuda.Event's part the timer uses; completes when told
+        clock = 0.0
+
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.done, self.at = False, None
+
+        def record(self):
+            Event.clock += 1.5
+            self.at = Event.clock
+
+        def query(self):
+            return self.done
+
+        def elapsed_time(self, end):
+            return end.at - self.at  # milliseconds
+
+    capturing = []
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: bool(capturing))
+    timer = metrics.PredictTimer("cuda", max_pending=2)
+    pairs = [timer.start() for _ in range(3)]
+    assert pairs[2] is None  # two pairs in flight at most: the third step is not timed
+    for pair in pairs:
+        timer.stop(pair)
+    assert timer.totals() == (0.0, 0)  # nothing completed: nothing read, nothing waited for
+    pairs[0][1].done = True
+    assert timer.totals() == (pytest.approx(1.5e-3 * 2), 1)  # 2 records apart: 3 ms
+    capturing.append(True)  # a CUDA-graph capture: not timed
+    assert timer.start() is None
+    capturing.clear()
+    assert timer.start() == pairs[0]  # the harvested pair is reused

@@ -56,7 +56,7 @@ def test_capture_hook_writes_moe_layers_and_honors_the_opt_out():
 def test_verify_stats_union_and_recall():
     predictor = OnlineExpertPredictor(1, 8, 2, num_buckets=1 << 16)
     predictor.observe(torch.tensor([5]), torch.tensor([[[1, 2]]]))
-    stats = routing.VerifyStats(8, "cpu")
+    stats = routing.VerifyStats(8, "cpu", layer_ids=[0])
     window = stats.window()
     assert window.read() is None  # no verify step yet
     # Tokens 5 and 6 routed to {1, 2} and {2, 3}: union 3 experts; recall: token 5 fully
@@ -72,7 +72,7 @@ def test_verify_stats_union_and_recall():
 
 def test_stats_windows_read_their_own_intervals():
     predictor = OnlineExpertPredictor(2, 8, 1, num_buckets=64)
-    stats = routing.VerifyStats(8, "cpu")
+    stats = routing.VerifyStats(8, "cpu", layer_ids=[0, 1])
     early, late = stats.window(), stats.window()
     # Step 1: 1 token, experts {0} and {1} -> 1 unique per layer. Step 2: 3 tokens, layer 0
     # {0, 1, 2}, layer 1 {3, 3, 3} -> (3 + 1) / 2 = 2. Step 3: 2 tokens, 2 per layer -> 2.
@@ -179,7 +179,7 @@ def test_topk_hook_captures_routing_of_kernel_routed_outputs():
 def test_uncaptured_verify_steps_are_counted_and_logged_once(caplog):
     predictor = OnlineExpertPredictor(2, 8, 1, num_buckets=64)
     capture = routing.RoutingCapture([0, 1], top_k=1, max_tokens=3, device="cpu")
-    stats = routing.VerifyStats(8, "cpu")
+    stats = routing.VerifyStats(8, "cpu", layer_ids=[0, 1])
     first, second = stats.window(), stats.window()
     config = SimpleNamespace(allow_routed_experts_capture=True)
 

@@ -156,3 +156,40 @@ def test_runtime_serves_a_trained_head_frozen(tmp_path):
     )
     with pytest.raises(ValueError, match="hidden_size: saved 16, expected 32"):
         EcoSpecRuntime(settings, wrong, topk=2, num_draft_tokens=3, max_batch=2, device="cpu")
+
+
+def test_runtime_feeds_the_live_recall_from_captured_verify_rows():
+    """With the recall-weighted cost the predictor's LiveRecall learns, per MoE layer, how
+    much of each verified row's routing selection predicted; rows SGLang did not capture
+    do not count."""
+    from sglang_ecospec.runtime import EcoSpecRuntime
+    from transformers import Qwen2MoeConfig
+
+    config = Qwen2MoeConfig(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
+    settings = EcoSpecSettings(recall_weighted_cost=True, num_buckets=64, log_interval=0)
+    runtime = EcoSpecRuntime(
+        settings, config, topk=2, num_draft_tokens=3, max_batch=2, device="cpu"
+    )
+    try:
+        live = runtime.selector.live_recall
+        assert live is runtime.predictor.live_recall and live.ema.tolist() == [0.25, 0.25]
+        roots = torch.tensor([4, 5])
+        runtime.before_decode(SimpleNamespace(is_draft_input=lambda: True, bonus_tokens=roots))
+        lists, _ = draft_tree_through_hooks(2, 2, 2, 16, vocab=30)
+        _, _, draft = selection.organize_hook(None, *lists, 3)
+        tokens = torch.cat([roots[:, None], draft], 1).flatten()  # [6]
+        predicted = runtime.selector.verify_topk[:6].long()  # [6, L, K]
+        # Layer 0 routed as predicted, layer 1 to two unpredicted experts; the last row of
+        # layer 1 is not captured.
+        unpredicted = torch.ones(6, 8, dtype=torch.bool).scatter_(1, predicted[:, 1], False)
+        elsewhere = unpredicted.long().topk(2, dim=1).indices  # [6, 2]
+        capture_config = SimpleNamespace(allow_routed_experts_capture=True)
+        runtime.before_verify()
+        routing.after_capture(None, capture_config, 0, predicted[:, 0])
+        routing.after_capture(None, capture_config, 1, elsewhere[:5])
+        runtime.after_verify(SimpleNamespace(draft_token=tokens))
+        assert live.rows.item() == 5 and live.hits.tolist() == [5.0, 0.0]
+        assert live.ema.tolist() == pytest.approx([0.25 + 0.05 * 0.75, 0.25 * 0.95])
+        assert live.per_layer() == [1.0, 0.0]
+    finally:
+        runtime.close()

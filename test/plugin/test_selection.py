@@ -14,6 +14,7 @@ from plugin._helpers import (
     sglang_draft_tree,
     spy_on_selection,
 )
+from sgl_ecospec import step as library_step
 from sgl_ecospec.predictors import OnlineExpertPredictor
 
 
@@ -140,3 +141,82 @@ def test_head_gets_the_draft_state_that_proposed_each_candidate():
     rows = selector.verify_topk[: batch * ndt].view(batch, ndt, 2, 2)
     assert rows[:, 0, 0, 0].tolist() == [0, 1]  # roots
     assert torch.equal(rows[:, 1:, 0, 0].long(), chosen.long() % 16)
+
+
+def recall_weighted_selector(predictor, **settings):
+    selector = selection.EcoSpecSelector(
+        EcoSpecSettings(recall_weighted_cost=True, log_interval=0, **settings),
+        predictor,
+        topk=3,
+        num_draft_tokens=7,
+        max_batch=4,
+        device="cpu",
+    )
+    assert selector.live_recall is predictor.live_recall  # the library's, attached once
+    return selector
+
+
+def test_recall_weighted_cost_falls_from_ecospec_to_confidence_with_the_recall():
+    """The example above: at recall 1 the recall-weighted cost is EcoSpec's (token 11 adds
+    no expert), at chance (a cold predictor) it trusts no prediction: confidence's 10."""
+    score_list = [torch.tensor([[[0.55, 0.45]]])]
+    token_list = [torch.tensor([[10, 11]])]
+    parents_list = [torch.tensor([[-1, 0, 1]])]
+    predictor = OnlineExpertPredictor(1, 8, 2, num_buckets=1 << 16)
+    predictor.observe(torch.tensor([1, 10, 11]), torch.tensor([[[0, 1]], [[4, 5]], [[0, 1]]]))
+    settings = EcoSpecSettings(recall_weighted_cost=True, log_interval=0)
+    selector = selection.EcoSpecSelector(
+        settings, predictor, topk=2, num_draft_tokens=2, max_batch=2, device="cpu"
+    )
+    live = selector.live_recall
+    for recall, want in [(1.0, 11), (0.6, 11), (0.3, 10), (0.25, 10)]:  # chance: 2/8
+        live.ema.fill_(recall)
+        selector.set_roots(torch.tensor([1]))
+        _, _, draft_tokens = selector.organize(score_list, token_list, parents_list, 2)
+        assert draft_tokens.tolist() == [[want]], recall
+
+
+def test_recall_weighted_cost_is_the_librarys_rule_without_a_host_read(monkeypatch):
+    """On SGLang trees the plugin's verify sets are those of the offline engine's
+    ``recall_weighted_selection`` (layer weights w_l, eps raised by the unpredicted cost, a
+    host read): the plugin folds that eps into the layer weights on the device. At recall 1
+    the plain EcoSpec selection."""
+    from sgl_ecospec.lab.engine.predictor_inputs import recall_weighted_selection
+
+    calls = []
+    real = library_step.select_verify_set
+
+    def spy(*args, **kwargs):
+        calls.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(library_step, "select_verify_set", spy)
+    predictor = OnlineExpertPredictor(3, 16, 2, num_buckets=64)
+    tree = sglang_draft_tree(4, 3, 4, seed=5)
+    tokens = torch.cat(tree[1], 1).flatten()
+    gen = torch.Generator().manual_seed(1)
+    predictor.observe(tokens, torch.randint(0, 16, (tokens.numel(), 3, 2), generator=gen))
+    selector = recall_weighted_selector(predictor, eps=0.5)
+    plain = selection.EcoSpecSelector(
+        EcoSpecSettings(eps=0.5, log_interval=0),
+        predictor,
+        topk=3,
+        num_draft_tokens=7,
+        max_batch=4,
+        device="cpu",
+    )
+    roots = torch.tensor([5, 6, 7, 8])
+    for recall in ([0.9, 0.5, 0.2], [0.6, 0.125, 0.3], [1.0, 1.0, 1.0]):  # chance: 2/16
+        selector.live_recall.ema.copy_(torch.tensor(recall))
+        selector.set_roots(roots)
+        calls.clear()
+        got = selector.organize(*tree, 7)
+        assert_valid_selection(tree, got, 7)
+        ((args, kwargs),) = calls
+        options, extra = recall_weighted_selection(predictor, selector.options_for(4), {}, "cpu")
+        library = {**kwargs, "eps": options.eps, "layer_weights": extra["layer_weights"]}
+        assert torch.equal(got[1], real(*args, **library))
+    plain.set_roots(roots)
+    calls.clear()
+    assert torch.equal(plain.organize(*tree, 7)[1], got[1])  # recall 1: plain EcoSpec
+    assert calls[0][1]["layer_weights"] is None

@@ -56,6 +56,11 @@ def test_settings_defaults_and_env_overrides(tmp_path):
             "hardware set but eps = 0.1: .* only with eps='auto'",
         ),
         ({"TOTAL_WEIGHT": "1.5"}, "total_weight must lie in"),
+        (
+            {"RECALL_WEIGHTED_COST": "1", "POLICY": "confidence"},
+            "recall_weighted_cost weights EcoSpec's DeltaCost, but policy 'confidence'",
+        ),
+        ({"RECALL_WEIGHTED_COST": "sometimes"}, "not a valid bool"),
         ({"EP_COST": "2"}, "not a valid bool"),
     ],
 )
@@ -104,3 +109,13 @@ def test_sglangs_copy_of_the_labs_sgl_variables_is_not_a_setting():
     assert EcoSpecSettings.from_env(environ) == EcoSpecSettings.from_env({})
     with pytest.raises(EcoSpecSettingsError, match="unknown EcoSpec setting SGLANG_ECOSPEC_CACHE"):
         EcoSpecSettings.from_env({"SGLANG_ECOSPEC_CACHE": "/tmp/c"})
+
+
+def test_settings_predictors_of_the_catalog_and_recall_weighted_cost():
+    for name in ("online", "vocab", "context"):  # the library's catalog, fresh tables
+        assert EcoSpecSettings.from_env({"SGLANG_ECOSPEC_PREDICTOR": name}).predictor == name
+    settings = EcoSpecSettings.from_env(
+        {"SGLANG_ECOSPEC_PREDICTOR": "context", "SGLANG_ECOSPEC_RECALL_WEIGHTED_COST": "true"}
+    )
+    assert settings.recall_weighted_cost is True
+    assert EcoSpecSettings().recall_weighted_cost is False

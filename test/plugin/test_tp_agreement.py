@@ -101,17 +101,18 @@ def _random_routing(tokens: torch.Tensor, seed: int) -> torch.Tensor:
     return torch.stack(rows).view(tokens.numel(), 2, 2)
 
 
-def _verify(runtime, roots, draft_tokens, route) -> None:
+def _verify(runtime, roots, draft_tokens, route, result=None) -> None:
     """One verify pass as SGLang runs it: each MoE layer's routing goes through the capture
-    hook, then the worker calls ``after_verify`` with the verify tokens (root first), and the
-    batch's results reach the decode-stats report (which logs the "EcoSpec:" line)."""
+    hook, then the worker calls ``after_verify`` with the verify tokens (root first) and
+    SGLang's ``result`` (its ``accept_index``; None: nothing for calibrated acceptance), and
+    the batch's results reach the decode-stats report (which logs the "EcoSpec:" line)."""
     tokens = torch.cat([roots[:, None], draft_tokens], 1).flatten()
     ids = route(tokens)  # [T, L, K]
     capture_config = SimpleNamespace(allow_routed_experts_capture=True)
     runtime.before_verify()
     for layer in range(ids.shape[1]):
         routing.after_capture(None, capture_config, layer, ids[:, layer])
-    runtime.after_verify(SimpleNamespace(draft_token=tokens))
+    runtime.after_verify(SimpleNamespace(draft_token=tokens), result)
     runtime.poll_log()
 
 
@@ -156,8 +157,8 @@ def _rank_facts(rank: int, port: int) -> dict:
     config = Qwen2MoeConfig(num_hidden_layers=2, num_experts=16, num_experts_per_tok=2)
     settings = EcoSpecSettings(policy="ecospec", eps=0.01, log_interval=0)
     runtime = EcoSpecRuntime(
-        settings, config, topk=TOPK, num_draft_tokens=NDT, max_batch=12, device="cpu",
-        tp_check_interval=2,
+        settings, config, topk=TOPK, num_draft_tokens=NDT, num_steps=STEPS, max_batch=12,
+        device="cpu", tp_check_interval=2,
     )  # fmt: skip
     facts = {"group_size": runtime.tp_sync.world_size, "rank_in_group": runtime.tp_sync.rank}
     try:
@@ -167,16 +168,29 @@ def _rank_facts(rank: int, port: int) -> dict:
         _verify(runtime, roots, tree_tokens, lambda t: _random_routing(t, seed=rank))
         facts["checks_after_step_1"] = runtime.tp_sync.checks
         facts["local"] = _select(runtime, roots, seed=1, local=True)[1].tolist()
+        calibrator = runtime.acceptance.calibrator
+        if rank == 1:  # rank 1's acceptance calibrator far from rank 0's (cold) one
+            calibrator.promised.fill_(100.0)  # likely edges (q >= 0.5) rarely accepted
+            calibrator.accepted.fill_(100.0)[:, 5:] = 1.0
         parent_list, index, draft_tokens = _select(runtime, roots, seed=1)
         facts["synced"] = [parent_list.tolist(), index.tolist(), draft_tokens.tolist()]
+        facts["forecast"] = runtime.acceptance.forecast[:BATCH].tolist()  # of the synced set
+        calibrator.accepted.zero_()  # cold again on both ranks
+        calibrator.promised.zero_()
         # The recall buffer holds this rank's predictions of the rows actually verified.
         verify_tokens = torch.cat([roots[:, None], draft_tokens], 1).flatten()
         facts["verify_topk_matches"] = torch.equal(
             runtime.selector.verify_topk[: verify_tokens.numel()].long(),
             runtime.predictor.predict_topk(verify_tokens),
         )
-        # Verify step 2: the same routing everywhere; the check runs and repairs rank 1.
-        _verify(runtime, roots, draft_tokens, _routing_by_token)
+        # Verify step 2: the same routing everywhere; the check runs and repairs rank 1. Every
+        # request accepts its first verified candidate (SGLang's accept_index, flat rows).
+        accept_index = torch.full((BATCH, STEPS + 1), -1, dtype=torch.int32)
+        accept_index[:, :2] = torch.arange(BATCH)[:, None] * NDT + torch.tensor([0, 1])
+        result = SimpleNamespace(accept_index=accept_index)
+        _verify(runtime, roots, draft_tokens, _routing_by_token, result)
+        # Both ranks learnt from rank 0's verify set and the same accepted paths.
+        facts["calibrator"] = [calibrator.accepted.tolist(), calibrator.promised.tolist()]
         facts["checks"] = runtime.tp_sync.checks
         facts["diverged"] = runtime.tp_sync.last_diverged
         facts["divergences"] = runtime.tp_sync.divergences
@@ -229,6 +243,11 @@ def test_two_ranks_verify_rank0s_selection_and_the_check_reports_divergence():
     # ...but both ranks verify rank 0's: same tree, indices and tokens.
     assert rank1["synced"] == rank0["synced"]
     assert rank0["synced"][1] == rank0["local"]
+    # Rank 1's skewed acceptance calibrator prices that set differently (its forecast), yet
+    # the verified set is rank 0's.
+    assert rank1["forecast"] != pytest.approx(rank0["forecast"])
+    # Learning from rank 0's verify set and the same accept_index keeps the calibrators equal.
+    assert rank1["calibrator"] == rank0["calibrator"] and sum(rank0["calibrator"][1][0]) > 0
     assert rank0["verify_topk_matches"] and rank1["verify_topk_matches"]
     # The check at step 2 finds rank 1's tables different on both ranks, logs it as an
     # error, and copies rank 0's state: the tables and the local choices agree again.
