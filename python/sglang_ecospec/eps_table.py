@@ -48,11 +48,21 @@ class EpsTable:
 
     batches: tuple[int, ...]
     eps: tuple[float, ...]
+    step_costs: tuple[float, ...] | None = None
 
     def lookup(self, batch: int) -> float:
         """eps of the largest bucket <= ``batch`` (the first bucket below it)."""
-        index = bisect.bisect_right(self.batches, batch) - 1
-        return self.eps[max(index, 0)]
+        return self.eps[self._index(batch)]
+
+    def step_cost(self, batch: int) -> float:
+        """A request's share of the step's cost before any candidate, in expert loads, for
+        ``batch`` requests (policy "adaptive"; ``selection_cost``'s ``step_cost``)."""
+        if self.step_costs is None:
+            raise ValueError("this eps table carries no step costs (built without draft_steps)")
+        return self.step_costs[self._index(batch)]
+
+    def _index(self, batch: int) -> int:
+        return max(bisect.bisect_right(self.batches, batch) - 1, 0)
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -139,6 +149,7 @@ def cost_model_eps_table(
     verify_tokens: int,
     max_batch: int,
     ep_size: int = 1,
+    draft_steps: int | None = None,
 ) -> EpsTable:
     """eps per batch-size bucket from the cost model (:func:`cost_model`).
 
@@ -154,6 +165,8 @@ def cost_model_eps_table(
         ep_size: expert-parallel ranks (1: no EP). A calibration profile's k2 is already
             one device's seconds per expert, the pace of the busiest EP rank, so it is priced
             as is (``selection_cost(ep_size=1)``).
+        draft_steps: the draft forward passes per step (speculative_num_steps), or None: the
+            table then carries no step costs (only policy "adaptive" reads them).
 
     Raises:
         ValueError: unknown names, a missing or corrupt file, a profile of another model,
@@ -166,12 +179,22 @@ def cost_model_eps_table(
         check_hardware_covers(hardware, ep_size)
     priced_ep = 1 if model_cost.calibrated else ep_size
     batches = bucket_sizes(max_batch)
-    eps = []
+    eps, step_costs = [], []
     for batch in batches:
         # layers = the profile's MoE layers (checked above): no layer weights.
-        cost = selection_cost(perf, batch, verify_tokens, layers=moe_layers, ep_size=priced_ep)
+        cost = selection_cost(
+            perf,
+            batch,
+            verify_tokens,
+            draft_steps=draft_steps or 0,
+            layers=moe_layers,
+            ep_size=priced_ep,
+        )
         eps.append(cost.eps)
-    table = EpsTable(tuple(batches), tuple(eps))
+        step_costs.append(cost.step_cost)
+    table = EpsTable(
+        tuple(batches), tuple(eps), tuple(step_costs) if draft_steps is not None else None
+    )
     logger.info("ECOSPEC cost model: %s", model_cost.source)
     logger.info(
         "ECOSPEC eps from the cost model (%s on %s, %d verify tokens, ep_size %d): %s",
@@ -181,4 +204,12 @@ def cost_model_eps_table(
         ep_size,
         ", ".join(f"bs>={b}: {e:.4g}" for b, e in zip(table.batches, table.eps, strict=True)),
     )
+    if table.step_costs is not None:
+        logger.info(
+            "ECOSPEC adaptive step cost per request, in expert loads (%d draft steps): %s",
+            draft_steps,
+            ", ".join(
+                f"bs>={b}: {c:.4g}" for b, c in zip(table.batches, table.step_costs, strict=True)
+            ),
+        )
     return table

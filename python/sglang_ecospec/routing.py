@@ -389,7 +389,7 @@ class StatsWindow:
         event on the current stream; no host sync): :meth:`ready` returns it once there."""
         totals = self.stats.totals
         event = None
-        host, accepted = _host_copy(totals), _host_copy(self.stats.acceptance)
+        host, accepted = host_copy(totals), host_copy(self.stats.acceptance)
         if totals.is_cuda:
             event = torch.cuda.Event()
             event.record()
@@ -448,7 +448,7 @@ class StatsWindow:
         return 1e3 * (seconds - seconds_before) / (timed - timed_before)
 
 
-def _host_copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
+def host_copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
     """A host copy of a device tensor: pinned and asynchronous from a CUDA device (valid once
     a later event completes), a clone on the CPU; None for None."""
     if tensor is None or not tensor.is_cuda:

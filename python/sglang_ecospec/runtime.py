@@ -56,6 +56,7 @@ class EcoSpecRuntime:
         from sglang_ecospec import (
             ep_placement,
             eps_table,
+            fixed_width,
             hooks,
             routing,
             selection,
@@ -73,6 +74,10 @@ class EcoSpecRuntime:
         placement = None
         if settings.ep_cost and ep_layout.ep_size > 1:
             placement = ep_placement.ExpertPlacement(ep_layout, layer_ids, num_experts, device)
+        if num_steps is None:
+            num_steps = 1
+            while memory.num_candidates(topk, num_steps) < num_draft_tokens - 1:
+                num_steps += 1
         table = None
         if settings.eps_auto:
             table = eps_table.cost_model_eps_table(
@@ -84,6 +89,7 @@ class EcoSpecRuntime:
                 verify_tokens=num_draft_tokens,
                 max_batch=max_batch,
                 ep_size=ep_layout.ep_size if placement is not None else 1,
+                draft_steps=num_steps if settings.policy == "adaptive" else None,
             )
         predictor = served_predictor.build_predictor(settings, hf_config, device)
         self.settings = settings
@@ -93,10 +99,6 @@ class EcoSpecRuntime:
         self.tp_sync = tp_agreement.TpAgreement.for_group(
             tp_agreement.selection_group(), interval=tp_check_interval
         )
-        if num_steps is None:
-            num_steps = 1
-            while memory.num_candidates(topk, num_steps) < num_draft_tokens - 1:
-                num_steps += 1
         self.timer = metrics.PredictTimer(device)  # each draft step's prediction
         self.acceptance = None  # setting calibrated_acceptance: used by the selector
         if settings.calibrated_acceptance:
@@ -149,6 +151,10 @@ class EcoSpecRuntime:
             predictor=predictor,
         )
         self.verify_moe = None  # the verify-MoE kernel's route (setting verify_moe_kernel)
+        # Policy "adaptive": the copies in SGLang's fixed-width verify, checked by routing
+        # (totals read with each "EcoSpec:" line's statistics).
+        self.copy_check = None
+        self._copy_reads: list = []  # host copies of copy_check.totals, one per request
         bindings = [
             selection.slot.bind(self.selector),
             routing.slot.bind(self.capture),
@@ -157,6 +163,9 @@ class EcoSpecRuntime:
         ]
         if placement is not None:
             bindings.append(ep_placement.slot.bind(placement))
+        if self.selector.copy_rows is not None:
+            self.copy_check = fixed_width.CopyCheck(device)
+            bindings.append(fixed_width.slot.bind(self.selector))
         if settings.verify_moe_kernel:
             self.verify_moe = verify_moe_hook.VerifyMoeRoute()
             forward = verify_moe_hook.model_forward_hook(type(target_model))
@@ -249,6 +258,8 @@ class EcoSpecRuntime:
         # What selection predicted for these rows, before any learning from them.
         predicted = self.selector.verify_topk[:count]
         self.stats.update(routing_ids, predicted)
+        if self.copy_check is not None:
+            self.copy_check.update(routing_ids, self.selector.copy_rows.flatten()[:count])
         live = self.selector.live_recall
         if live is not None:  # the recall-weighted cost's trust, from captured rows only
             captured = routing_ids.amin((1, 2)) >= 0  # [T]
@@ -267,22 +278,32 @@ class EcoSpecRuntime:
             self.tp_sync.after_verify(self.predictor)
         interval = self.settings.log_interval
         if interval and self.log_window.pending_steps >= interval:
+            if self.copy_check is not None:  # copied before the window's event: there with it
+                from sglang_ecospec.routing import host_copy
+
+                self._copy_reads.append(host_copy(self.copy_check.totals))
             self.log_window.request()
 
     def poll_log(self) -> None:
         """Logs the "EcoSpec:" lines whose statistics have reached the host (never waits);
         called after each decode batch's results (``metrics.report_decode_stats_hook``)."""
         for summary in self.log_window.ready():
+            copies = ""
+            if self.copy_check is not None:
+                total, differ = self._copy_reads.pop(0).tolist()
+                summary["slot_copies"], summary["slot_copies_routed_differently"] = total, differ
+                copies = f", slot copies {total} (routed differently {differ})"
             self.summaries.append(summary)
             logger.info(
                 "EcoSpec: %d verify steps, unique experts/layer/step %.2f, predictor recall "
-                "%.3f, verify tokens/step %.1f%s%s",
+                "%.3f, verify tokens/step %.1f%s%s%s",
                 summary["verify_steps"],
                 summary["unique_experts_per_layer"],
                 summary["predictor_recall"],
                 summary["verify_tokens_per_step"],
                 metrics.predict_log_field(summary),
                 acceptance.log_fields(summary),
+                copies,
             )
 
     def close(self) -> None:

@@ -71,16 +71,18 @@ Shape legend: B = requests, N = candidates per request, K = draft top-k, S = dra
 L = MoE layers, W = int64 words per layer bitmap, D = num draft tokens (ndt).
 """
 
+import dataclasses
 import logging
 
 import torch
 
 from sgl_ecospec.ops.selection import SelectionOptions
 from sgl_ecospec.predictors import ExpertPredictor, LiveRecall
-from sgl_ecospec.step import batch_index, select_step, verify_rows
+from sgl_ecospec.step import batch_index, fill_unused_slots, select_step, verify_rows
 from sglang_ecospec.acceptance import AcceptanceTracker
 from sglang_ecospec.ep_placement import ExpertPlacement
 from sglang_ecospec.eps_table import EpsTable
+from sglang_ecospec.fixed_width import copy_rows
 from sglang_ecospec.hooks import HookSlot
 from sglang_ecospec.memory import ModelShape, score_chunk_rows
 from sglang_ecospec.settings import EcoSpecSettings
@@ -245,6 +247,12 @@ class EcoSpecSelector:
             dtype=torch.int16,
             device=device,
         )  # [Bmax * D, L, K]
+        # Policy "adaptive": which verify rows of the last selection copy a chosen leaf.
+        self.copy_rows = None
+        if self.options.policy == "adaptive":
+            self.copy_rows = torch.zeros(
+                max_batch, num_draft_tokens, dtype=torch.bool, device=device
+            )  # [Bmax, D]
         # Draft states of the tree being grown, one entry per step (select_hook).
         self._states: list[torch.Tensor] = []
         # Each request's root (bonus) token, copied in before the draft step; padded rows of
@@ -274,11 +282,19 @@ class EcoSpecSelector:
         return float(self.settings.eps)
 
     def options_for(self, batch: int) -> SelectionOptions:
-        """The selection options for a batch of ``batch`` requests (its eps, :meth:`eps_for`)."""
+        """The selection options for a batch of ``batch`` requests (its eps, :meth:`eps_for`,
+        and for "adaptive" its step cost)."""
         eps = self.eps_for(batch)
-        options = self._options_by_eps.get(eps)
+        step_cost = None
+        if self.options.policy == "adaptive":
+            step_cost = self.eps_table.step_cost(batch)
+        key = (eps, step_cost)
+        options = self._options_by_eps.get(key)
         if options is None:
-            options = self._options_by_eps[eps] = self.options.with_eps(eps)
+            options = self.options.with_eps(eps)
+            if step_cost is not None:
+                options = dataclasses.replace(options, step_cost=step_cost)
+            self._options_by_eps[key] = options
         return options
 
     def set_roots(
@@ -376,7 +392,7 @@ class EcoSpecSelector:
             probs = self.acceptance.calibrate(raw, parents)
         # "confidence" stays SGLang's ranking (the A/B arm that verifies EAGLE3's sets); the
         # calibration weighs P against DeltaCost + eps, and forecasts under either policy.
-        weights = probs if self.settings.policy == "ecospec" else raw
+        weights = raw if self.settings.policy == "confidence" else probs
         step = select_step(
             self.block_predictor,
             torch.cat([roots[:, None], tokens.long()], 1),  # [B, 1 + N], root first
@@ -391,13 +407,17 @@ class EcoSpecSelector:
             root_context=root_context,
         )
         index = step.selected  # [B, D-1] ascending; complete, every candidate is reachable
+        adaptive = self.options.policy == "adaptive"
+        if adaptive:  # SGLang's verify is fixed-width: unused slots copy a chosen leaf
+            index = fill_unused_slots(index, weights, parents)
         draft_tokens = torch.gather(tokens, 1, index.clamp_min(0))  # [B, D-1]
         predicted = step.verify_predicted  # [B, D, L, K]: root, then the chosen candidates
-        if self.tp_sync is not None:
+        if adaptive or self.tp_sync is not None:
             # Rank 0's tree on every rank of the group; this rank's predictions of its rows.
-            parent_list, index, draft_tokens = self.tp_sync.broadcast_selection(
-                parent_list, index, draft_tokens
-            )
+            if self.tp_sync is not None:
+                parent_list, index, draft_tokens = self.tp_sync.broadcast_selection(
+                    parent_list, index, draft_tokens
+                )
             rows = verify_rows(index)  # [B, D]
             predicted = step.predicted[batch_index(rows), rows]
         if batch <= self.max_batch and num_draft_token == self.num_draft_tokens:
@@ -407,8 +427,14 @@ class EcoSpecSelector:
                 rows = verify_rows(index)  # [B, D]
                 context = step.context[batch_index(rows), rows]  # [B, D]
                 self.verify_context[:verified].copy_(context.flatten())
+            copies = None
+            if adaptive:  # for the tree hook and the routing check after the verify
+                copies = copy_rows(index)  # [B, D]
+                self.copy_rows[:batch].copy_(copies)
             if calibrated:  # the verified set (rank 0's), for learning after the verify
-                self.acceptance.record(raw, parents, probs, index)
+                # Copies are never visited by verification: learnt as not verified.
+                kept = index if copies is None else index.masked_fill(copies[:, 1:], -1)
+                self.acceptance.record(raw, parents, probs, kept)
         return parent_list, index, draft_tokens
 
 

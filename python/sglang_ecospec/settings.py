@@ -29,7 +29,7 @@ from sgl_ecospec.predictors.catalog import ONLINE_PREDICTORS
 
 ENV_PREFIX = "SGLANG_ECOSPEC_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
-POLICIES = ("ecospec", "confidence")
+POLICIES = ("ecospec", "confidence", "adaptive")
 PREDICTORS = (*ONLINE_PREDICTORS, "head")
 # ContextExpertPredictor's kinds: a row per token of the target's vocabulary ("context" also
 # the (parent token, token) pairs).
@@ -46,9 +46,12 @@ class EcoSpecSettings:
     """What ECOSPEC does differently from EAGLE3 (docs/sglang.md, "Settings").
 
     Attributes:
-        policy: "ecospec" (P / (DeltaCost + eps), the paper's rule) or "confidence" (top
+        policy: "ecospec" (P / (DeltaCost + eps), the paper's rule), "confidence" (top
             cumulative probability: SGLang's own selection, through our machinery; an A/B
-            switch that keeps everything else equal).
+            switch that keeps everything else equal) or "adaptive" (ecospec's choice, and per
+            request how many nodes: each only while it raises the step's tokens per
+            predicted cost; the unused slots of SGLang's fixed-width verify hold copies of a
+            chosen leaf, :mod:`sglang_ecospec.fixed_width`; needs eps "auto").
         eps: > 0, added to DeltaCost (predicted new experts summed over MoE layers), or
             "auto": derived per batch-size bucket from the cost model of ``profile`` on
             ``hardware`` (``sgl_ecospec.costmodel.selection_cost``) at startup.
@@ -83,7 +86,8 @@ class EcoSpecSettings:
         recall_weighted_cost: DeltaCost trusts only what the predictor knows: each MoE
             layer's predicted experts weighted by the predictor's live recall there
             (:class:`sgl_ecospec.predictors.LiveRecall`, fed from the verify routing), so that
-            as recall falls selection approaches "confidence". Needs policy "ecospec".
+            as recall falls selection approaches "confidence". Needs policy "ecospec" or
+            "adaptive".
         num_buckets, prior_weight, halve_every: the online predictor's table size, prior
             pseudo-count and ageing period (see its docstring); ignored with predictor_file,
             which carries its own, and by the other predictors.
@@ -138,13 +142,11 @@ class EcoSpecSettings:
     gate_probe_budget: float = 0.01
 
     def __post_init__(self):
-        if self.policy == "adaptive":
+        if self.policy == "adaptive" and self.eps != AUTO:
             raise EcoSpecSettingsError(
-                "policy 'adaptive' cannot run inside SGLang: the verify width "
-                "(--speculative-num-draft-tokens) is fixed per step and per CUDA graph, so a "
-                "request cannot verify fewer nodes. Size it per batch-size bucket instead: "
-                "`sgl-ecospec costmodel --adaptive-config FILE` prints the draft tokens per "
-                "bucket (docs/sglang.md, 'Expert parallelism and adaptive budget')"
+                "policy 'adaptive' sizes each request's verify set by the cost model's step "
+                "cost: set eps=auto with profile and hardware (or a calibration profile file "
+                "from `sgl-ecospec calibrate`)"
             )
         if self.policy not in POLICIES:
             raise EcoSpecSettingsError(f"policy must be one of {POLICIES}, got {self.policy!r}")
@@ -169,10 +171,10 @@ class EcoSpecSettings:
                 "context) or `sgl-ecospec train-head` (head), or leave it unset to start from "
                 "an empty table"
             )
-        if self.recall_weighted_cost and self.policy != "ecospec":
+        if self.recall_weighted_cost and self.policy == "confidence":
             raise EcoSpecSettingsError(
                 "recall_weighted_cost weights EcoSpec's DeltaCost, but policy "
-                f"{self.policy!r} reads no cost: set policy 'ecospec' or unset "
+                f"{self.policy!r} reads no cost: set policy 'ecospec' or 'adaptive', or unset "
                 "recall_weighted_cost"
             )
         if not 1 <= self.num_buckets < 2**31:
@@ -201,7 +203,12 @@ class EcoSpecSettings:
         """The library's checked selection options. With eps "auto" their eps is a
         placeholder: the selector sets the cost model's per batch size."""
         eps = DEFAULT_EPS if self.eps_auto else self.eps
-        return SelectionOptions(self.policy, eps, self.share_buffer, self.total_weight)
+        # "adaptive" reads the step cost, a placeholder here like eps: the selector sets the
+        # cost model's per batch size.
+        step_cost = 1.0 if self.policy == "adaptive" else None
+        return SelectionOptions(
+            self.policy, eps, self.share_buffer, self.total_weight, step_cost=step_cost
+        )
 
     @property
     def eps_auto(self) -> bool:

@@ -269,3 +269,41 @@ def test_utility_gate_decodes_plainly_where_speculation_loses(models, prompts, p
     assert ("steps 3 -> 0" in text) and ("steps 0 -> 3" in text)  # probes re-enter speculation
     samples = prometheus_values(metrics_text, "sglang:ecospec_gate_open")
     assert samples and all('batch_sizes="1"' in labels and v == 0.0 for labels, v in samples)
+
+
+@pytest.fixture(scope="module")
+def cpu_profile(models, tmp_path_factory) -> Path:
+    """A calibration profile of the served testbed on this CPU (`sgl-ecospec calibrate`, a
+    small grid), the cost model policy "adaptive" sizes its verify sets with."""
+    from sgl_ecospec.lab.cli import main
+
+    target, draft = models
+    path = tmp_path_factory.mktemp("calibration") / "cpu.json"
+    argv = ["calibrate", "--target", str(target), "--draft", str(draft), "--out", str(path)]
+    argv += ["--batch-sizes", "1,2", "--tokens", "1,4", "--unique-experts", "8,32"]
+    assert main([*argv, "--repeats", "2"]) == 0
+    return path
+
+
+def test_adaptive_sizes_each_step_in_the_fixed_width_verify(
+    models, prompts, plain_outputs, cpu_profile, logs
+):
+    env = {
+        "SGLANG_ECOSPEC_POLICY": "adaptive",
+        "SGLANG_ECOSPEC_EPS": "auto",
+        "SGLANG_ECOSPEC_PROFILE": str(cpu_profile),
+        "SGLANG_ECOSPEC_LOG_INTERVAL": "1",
+        **NO_GATE,
+    }
+    outputs, _, _, text = serve(spec_args(models, "ECOSPEC"), prompts, logs / "adaptive.log", env)
+    assert_lossless(outputs, plain_outputs)
+    assert "ECOSPEC adaptive step cost per request" in text
+    copies = [
+        (int(total), int(differ))
+        for total, differ in re.findall(r"slot copies (\d+) \(routed differently (\d+)\)", text)
+    ]
+    assert copies, "no EcoSpec: line with the copy check"
+    total, differ = copies[-1]  # running totals
+    # Some steps verified fewer nodes than the width (copies filled the rest), and every
+    # copy's captured routing equals its original's: the copies loaded no expert.
+    assert total > 0 and differ == 0, copies[-1]

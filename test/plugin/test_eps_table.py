@@ -23,3 +23,21 @@ def test_cost_model_eps_rejects_another_model_or_too_few_gpus(profile, hardware,
             max_batch=8,
             ep_size=ep_size,
         )
+
+
+def test_step_costs_per_bucket_for_the_adaptive_policy():
+    from sgl_ecospec.costmodel import selection_cost
+
+    kwargs = dict(moe_layers=48, num_experts=128, top_k=8, verify_tokens=4, max_batch=8)
+    table = eps_table.cost_model_eps_table("qwen3-30b-a3b", "h200", draft_steps=3, **kwargs)
+    cost_model = eps_table.cost_model("qwen3-30b-a3b", "h200")
+    for batch, expected in zip(table.batches, table.step_costs, strict=True):
+        exact = selection_cost(cost_model.perf, batch, 4, draft_steps=3, layers=48)
+        assert expected == pytest.approx(exact.step_cost)
+    assert table.step_cost(3) == table.step_costs[1]  # bucket 2: the largest key <= 3
+    # A request's share of the step falls as the batch grows.
+    assert list(table.step_costs) == sorted(table.step_costs, reverse=True)
+    plain = eps_table.cost_model_eps_table("qwen3-30b-a3b", "h200", **kwargs)
+    assert plain.step_costs is None and plain.eps == table.eps
+    with pytest.raises(ValueError, match="no step costs"):
+        plain.step_cost(1)

@@ -36,7 +36,7 @@ def test_settings_defaults_and_env_overrides(tmp_path):
         ({"PREDICTOR_FILE": "/no/such/file"}, "does not exist"),
         ({"NUM_BUCKETS": "0"}, "num_buckets"),
         ({"CONFIG": "/no/such.json"}, "no such file"),
-        ({"POLICY": "adaptive"}, "fixed per step.*--adaptive-config"),
+        ({"POLICY": "adaptive"}, "policy 'adaptive' sizes .* set eps=auto"),
         ({"EPS": "fast"}, "eps must be a finite number > 0 or 'auto'"),
         ({"EPS": "auto"}, "eps='auto' needs profile and hardware"),
         (
@@ -81,6 +81,15 @@ def test_settings_eps_auto_and_ep_fields(tmp_path):
         }
     )
     assert settings.eps_auto and settings.hardware == "8xh200"
+    adaptive = EcoSpecSettings.from_env(
+        {
+            "SGLANG_ECOSPEC_POLICY": "adaptive",
+            "SGLANG_ECOSPEC_EPS": "auto",
+            "SGLANG_ECOSPEC_PROFILE": "qwen3-30b-a3b",
+            "SGLANG_ECOSPEC_HARDWARE": "h200",
+        }
+    )
+    assert adaptive.selection_options().policy == "adaptive"  # step cost set per batch
     assert settings.ep_cost is False and settings.total_weight == 0.25
     assert not EcoSpecSettings().eps_auto and EcoSpecSettings().ep_cost
     config = tmp_path / "ecospec.json"
