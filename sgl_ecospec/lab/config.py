@@ -26,7 +26,9 @@ PEER_POLICIES = ("evict", "cascade")
 BENCH_POLICIES = (*POLICIES, *PEER_POLICIES)
 # The sweep's policies, in the order they are reported.
 SWEEP_POLICIES = ("confidence", "ecospec", "ecospec-ep", "adaptive", *PEER_POLICIES)
-# Policies gated per batch size by confidence's predicted speedup (sweep_run.utility_gate).
+# Policies gated per batch size: cascade by confidence's predicted speedup (Cascade's rule,
+# sweep_run.utility_gate), adaptive by its own run's (as the server's gate measures ECOSPEC's
+# own utility).
 GATED_POLICIES = ("adaptive", "cascade")
 # Testbed build times on two cores (docs/testbed.md), for the announcement.
 _BUILD_TIME = {
@@ -247,6 +249,7 @@ class SweepConfig(_Config):
     predictor: str = "online"
     predictor_file: str | None = None
     paired: bool = False
+    recall_weighted_cost: bool = False
     target: str | None = None
     draft: str | None = None
     small: bool = False
@@ -267,11 +270,10 @@ class SweepConfig(_Config):
             raise ValueError(f"unknown --policies {unknown}; valid: {', '.join(SWEEP_POLICIES)}")
         # Reported in a fixed order; no result depends on the order the policies run in.
         object.__setattr__(self, "policies", tuple(p for p in SWEEP_POLICIES if p in self.policies))
-        gated = [p for p in GATED_POLICIES if p in self.policies]
-        if gated and "confidence" not in self.policies:
+        if "cascade" in self.policies and "confidence" not in self.policies:
             raise ValueError(
-                f"{' and '.join(gated)}: the per-batch-size gate reads the speedup of "
-                "confidence selection at the same batch size: add confidence to --policies"
+                "cascade: the per-batch-size gate reads the speedup of confidence selection "
+                "at the same batch size: add confidence to --policies"
             )
         if "ecospec-ep" in self.policies and max(self.ep_sizes) == 1:
             raise ValueError("ecospec-ep selects for expert parallelism: give --ep-sizes above 1")
@@ -307,6 +309,7 @@ class SweepConfig(_Config):
             **{k: getattr(args, k) for k in ("num_prompts", "seed", "max_new_tokens")},
             **{k: getattr(args, k) for k in ("topk", "steps", "budget", "share_buffer")},
             **{k: getattr(args, k) for k in ("predictor", "predictor_file", "paired")},
+            recall_weighted_cost=args.recall_weighted_cost,
             **_model_fields(args),
             check_lossless=args.check_lossless,
         )

@@ -28,7 +28,8 @@ BENCH_KEYS = [
 SWEEP_KEYS = [
     "batch_sizes", "policies", "ep_sizes", "profiles", "hardware", "dataset", "num_prompts",
     "seed", "max_new_tokens", "topk", "steps", "candidates", "budget", "share_buffer",
-    "predictor", "predictor_file", "paired", "target", "draft", "small", "device", "dtype",
+    "predictor", "predictor_file", "paired", "recall_weighted_cost", "target", "draft", "small",
+    "device", "dtype",
     "check_lossless",
 ]  # fmt: skip
 

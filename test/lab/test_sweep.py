@@ -167,7 +167,7 @@ def test_defaults_validate():
     [
         (["--policies", "confidence,greedy"], r"unknown --policies \['greedy'\]"),
         (["--policies", "ecospec,ecospec"], "lists a name twice"),
-        (["--policies", "adaptive"], "add confidence to --policies"),
+        (["--policies", "cascade"], "add confidence to --policies"),
         (["--ep-sizes", "1"], "ecospec-ep selects for expert parallelism"),
         (["--ep-sizes", "1,3"], r"--ep-sizes \[3\]: qwen3-235b-a22b has 128 experts"),
         (["--batch-sizes", "1,0"], "--batch-sizes must be comma-separated positive ints"),
@@ -329,13 +329,12 @@ def test_adaptive_is_never_slower_than_no_speculation(fitted_report):
     for (batch, policy, profile, ranks), row in rows.items():
         if policy != "adaptive":
             continue
-        confidence = rows[batch, "confidence", profile, ranks]
-        # The gate: speculate exactly where confidence selection is predicted to pay and
-        # the adaptive run itself too (its own figure is kept when it closed the gate).
-        own = row["speedup"] if row["speculates"] else row.get("rule_speedup")
-        assert row["speculates"] == (confidence["speedup"] > 1.0 and own > 1.0)
+        # The gate: speculate exactly where the adaptive run itself is predicted to pay (its
+        # own figure is kept when it closed the gate), whatever confidence's prediction.
+        own = row["speedup"] if row["speculates"] else row["rule_speedup"]
+        assert row["speculates"] == (own > 1.0)
         if "rule_speedup" in row:
-            assert confidence["speedup"] > 1.0 >= row["rule_speedup"]
+            assert row["rule_speedup"] <= 1.0
         assert runs[batch, "adaptive"]["speculates"][profile][str(ranks)] == row["speculates"]
         if row["speculates"]:
             assert row["accept_length"] == runs[batch, "adaptive"]["accept_length"]
@@ -374,11 +373,10 @@ def test_adaptive_does_not_speculate_where_it_cannot_pay(tiny_models, tmp_path):
     rep, _ = _sweep(tiny_models, "random_draft", tmp_path, "--policies", "confidence,adaptive")
     confidence = [r for r in rep["rows"] if r["policy"] == "confidence"]
     assert all(r["speedup"] < 1.0 for r in confidence)
-    adaptive = [r for r in rep["runs"] if r["policy"] == "adaptive"]
-    assert [r["ran"] for r in adaptive] == [False] * len(BATCHES)
-    for row in rep["rows"]:
+    for row in rep["rows"]:  # adaptive ran, found its own speculation slower, decodes plainly
         if row["policy"] == "adaptive":
             assert not row["speculates"] and row["speedup"] == 1.0
+            assert row["rule_speedup"] <= 1.0
             assert row["accept_length"] == 1.0 and row["verified_per_request"] == 1.0
     greedy = {g["batch_size"]: g for g in rep["greedy"]}
     assert all(

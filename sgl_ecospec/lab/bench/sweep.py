@@ -11,21 +11,20 @@ greedily (no speculation, the baseline every speedup is over) and once per polic
 - ``ecospec-ep``: ``ecospec`` with the expert-parallel cost (busiest-rank rise) for the
   largest ``--ep-sizes`` entry: testbed experts on ranks in contiguous blocks
   (``ep_cost.contiguous_expert_rank``), eps of that EP group.
-- ``adaptive``: a per-batch-size gate, then per-step adaptive selection. The gate, like a
-  bucket of SGLang's ``--speculative-adaptive-config``, turns speculation off at batch B
-  for a profile and EP size when speculation as SGLang runs it (``confidence``, measured
-  at B) is predicted no faster than no speculation, and after the adaptive run at B where
-  that run is predicted no faster either; there ``adaptive`` is the greedy run
-  (speedup 1; ``rule_speedup`` keeps the run's own figure). Where it is on,
-  ``select_verify_set(policy="adaptive")`` takes
-  ``ecospec``'s nodes only while they raise the step's tokens per cost, with eps and the
-  step's starting account from ``selection_cost`` (primary profile, batch B).
+- ``adaptive``: per-step adaptive selection behind a per-batch-size gate on its own
+  utility, as the server's gate measures ECOSPEC's own: where the adaptive run at B is
+  predicted no faster than no speculation for a profile and EP size, ``adaptive`` is the
+  greedy run there (speedup 1; ``rule_speedup`` keeps the run's own figure).
+  ``select_verify_set(policy="adaptive")`` takes ``ecospec``'s nodes only while they raise
+  the step's tokens per cost, with eps and the step's starting account from
+  ``selection_cost`` (primary profile, batch B); with ``--recall-weighted-cost`` (also for
+  ``ecospec``) DeltaCost trusts only what the predictor knows.
 - ``evict`` (a peer, ``bench.peers``): confidence's choice cut per step to the prefix of
   its order that maximises expected tokens per predicted step time, the time of the primary
   profile at batch B depending on the number of verified tokens only (``engine.evict``).
-- ``cascade`` (a peer): confidence selection behind adaptive's gate rule per batch size,
-  profile and EP size; where open, its run is confidence's own (reused, not decoded again),
-  where closed it is the greedy run (speedup 1).
+- ``cascade`` (a peer): confidence selection behind Cascade's gate per batch size, profile
+  and EP size (confidence's own predicted speedup above 1); where open, its run is
+  confidence's own (reused, not decoded again), where closed it is the greedy run (speedup 1).
 
 With ``--paired`` the ecospec run also scores confidence's choice, and the ecospec-ep run
 ecospec's, on each of its own steps (same tree, same predictions, same buffer seed), and
@@ -112,6 +111,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     arguments.add_share_buffer_argument(
         gen, "one expert buffer (and one adaptive account) for the whole batch"
     )
+    arguments.add_recall_weighted_argument(gen)
     arguments.add_model_arguments(parser)
     out = arguments.add_output_arguments(
         parser,

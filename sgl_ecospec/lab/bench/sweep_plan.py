@@ -94,12 +94,21 @@ def selection_configs(cfg: SweepConfig, batch: int, root_union: float, testbed: 
         "budget": budget,
         "share_buffer": cfg.share_buffer,
     }
+    # The expert-aware policies' cost trusts only what the predictor knows (--recall-weighted-cost).
+    trust = {"recall_weighted_cost": cfg.recall_weighted_cost}
     cost = selection_cost(perf, batch, budget + 1, draft_steps=cfg.steps)
     configs = {
         "confidence": {**base, "policy": "confidence"},
-        "ecospec": {**base, "policy": "ecospec", "eps": cost.eps, "layer_weights": weights},
+        "ecospec": {
+            **base,
+            **trust,
+            "policy": "ecospec",
+            "eps": cost.eps,
+            "layer_weights": weights,
+        },
         "adaptive": {
             **base,
+            **trust,
             "policy": "adaptive",
             "eps": cost.eps,
             "layer_weights": weights,

@@ -35,10 +35,10 @@ METHOD = {
         "pass's (secant of the effective-token scaling)"
     ),
     "adaptive_gate": (
-        "per (batch size, profile, EP size): speculate only where confidence selection, "
-        "measured at that batch size, is predicted faster than no speculation, and the "
-        "adaptive run at that batch size too; otherwise adaptive is the greedy run (speedup "
-        "1; rule_speedup: the run's own prediction when it closed the gate)"
+        "per (batch size, profile, EP size): speculate only where the adaptive run at that "
+        "batch size is predicted faster than no speculation (its own utility, as the "
+        "server's gate measures it); otherwise adaptive is the greedy run (speedup 1; "
+        "rule_speedup: the run's own prediction when it closed the gate)"
     ),
     "evict": (
         "EVICT's rule: per step, confidence's choice cut to the prefix of its order that "

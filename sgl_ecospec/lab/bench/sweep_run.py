@@ -155,14 +155,18 @@ def batch_results(policies, keys, run_policy, price, no_speculation) -> tuple[di
         price: ``(entry, steps, key) -> row`` of a run that speculated.
         no_speculation: ``key -> row`` of the greedy run.
 
-    The gate (``peers.utility_gate``) reads confidence's rows from the results keyed by
-    policy, so the gated policies run after the others; where a gated policy's own run is
-    predicted no faster either, its bucket turns off (the row is the greedy one,
-    ``rule_speedup`` keeps the run's figure).
+    cascade's gate (``peers.utility_gate``) reads confidence's rows from the results keyed
+    by policy, so it runs after the others; adaptive's gate is open until its own run is
+    priced. Where a gated policy's own run is predicted no faster than no speculation, its
+    bucket turns off (the row is the greedy one, ``rule_speedup`` keeps the run's figure).
     """
     entries, rows = {}, {}
-    for policy in sorted(policies, key=lambda p: p in GATED_POLICIES):  # the gate's inputs first
-        gate = utility_gate(rows["confidence"]) if policy in GATED_POLICIES else None
+    for policy in sorted(policies, key=lambda p: p == "cascade"):  # the gate's inputs first
+        gate = None
+        if policy == "cascade":
+            gate = utility_gate(rows["confidence"])
+        elif policy in GATED_POLICIES:
+            gate = dict.fromkeys(keys, True)
         entry, steps = run_policy(policy, gate)
         rows[policy] = {}
         for key in keys:
