@@ -36,6 +36,7 @@ def test_defaults_cover_every_algorithm_and_two_concurrencies():
         (["--concurrency", "1,x"], "comma-separated integers"),
         (["--concurrency", "0"], ">= 1"),
         (["--output-len", "2"], ">= 4"),
+        (["--rounds", "0"], "--rounds must be >= 1"),
         (["--eps", "0"], "--eps must be finite and > 0"),
         (["--model-path", "/m"], "both --model-path and --draft-model-path"),
     ],
@@ -57,6 +58,7 @@ def test_server_launch_lines():
         "--max-running-requests",
         "8",
         "--enable-metrics",
+        "--sleep-on-idle",
     ]
     assert env == {}
     args, env = bench_serving.server_launch(cfg, "eagle3")
@@ -155,6 +157,36 @@ def test_table_marks_missing_values():
     assert lines[2].split()[-3:] == ["1.400", "6.25", "0.500"]
 
 
+def _record(algorithm, concurrency, tok_s, tpot, accept=None):
+    return {
+        "algorithm": algorithm,
+        "concurrency": concurrency,
+        "completed": 8,
+        "output_throughput": tok_s,
+        "mean_tpot_ms": tpot,
+        "median_tpot_ms": tpot,
+        "mean_ttft_ms": 200.0,
+        "accept_length": accept,
+        "experts_per_layer_step": None,
+        "predictor_recall": None,
+        "verify_steps_logged": 0,
+        "wall_seconds": 10.0,
+    }
+
+
+def test_rounds_report_medians_and_the_ratio_to_no_speculation():
+    rounds = [_record("ecospec", 1, t, 1000 / t, 1.0) for t in (10.0, 30.0, 12.0)]
+    combined = bench_serving.combine(rounds)
+    assert combined["output_throughput"] == 12.0 and combined["accept_length"] == 1.0
+    assert combined["completed"] == 24 and combined["wall_seconds"] == 30.0
+    assert [r["output_throughput"] for r in combined["rounds"]] == [10.0, 30.0, 12.0]
+    assert combined["experts_per_layer_step"] is None  # no value in any round
+    runs = [_record("none", 1, 16.0, 60.0), combined, _record("eagle3", 4, 8.0, 90.0)]
+    bench_serving.add_speed_ratios(runs)
+    assert runs[0]["vs_none"] == 1.0 and runs[1]["vs_none"] == pytest.approx(0.75)
+    assert runs[2]["vs_none"] is None  # no plain server at concurrency 4
+
+
 @pytest.mark.e2e
 @pytest.mark.skipif(gpu_present(), reason="runs the CPU development mode")
 def test_script_runs_servers_and_writes_table(tmp_path):
@@ -179,6 +211,8 @@ def test_script_runs_servers_and_writes_table(tmp_path):
             "2",
             "--output-len",
             "8",
+            "--rounds",
+            "2",
             "--json",
             str(out),
         ],
@@ -189,8 +223,10 @@ def test_script_runs_servers_and_writes_table(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     runs = {r["algorithm"]: r for r in json.loads(out.read_text())["runs"]}
     assert set(runs) == {"none", "ecospec"}
-    for run in runs.values():
-        assert run["completed"] == 2 and run["output_throughput"] > 0
+    for run in runs.values():  # two rounds of two prompts, the medians reported
+        assert run["completed"] == 4 and run["output_throughput"] > 0
+        assert len(run["rounds"]) == 2
+    assert runs["none"]["vs_none"] == 1.0 and runs["ecospec"]["vs_none"] > 0
     assert runs["none"]["experts_per_layer_step"] is None
     assert runs["ecospec"]["accept_length"] >= 1.0
     config = json.loads((target / "config.json").read_text())

@@ -4,10 +4,11 @@
 starts a server for each of ``--algorithms`` (none, eagle3, ecospec-confidence, ecospec),
 runs ``python -m sglang.bench_serving --backend sglang`` with packaged prompts (MT-Bench or
 ShareGPT first turns, written to an offline ShareGPT-format file) at every
-``--concurrency``, and prints one table: output throughput, mean TPOT, acceptance length
-(from SGLang's ``/metrics`` counters before and after the phase),
-and, for ECOSPEC servers, unique experts per layer per verify step and predictor recall
-(from the scheduler's ``EcoSpec:`` log lines of that phase).
+``--concurrency``, and prints one table: output throughput (and its ratio to the server
+without speculation), mean TPOT, acceptance length (from SGLang's ``/metrics`` counters
+before and after the phase), and, for ECOSPEC servers, unique experts per layer per verify
+step and predictor recall (from the scheduler's ``EcoSpec:`` log lines of that phase).
+With ``--rounds R`` every algorithm is measured R times in turn and the medians reported.
 
 ``ecospec-confidence`` is ECOSPEC with ``policy=confidence`` and the utility gate off: the
 same verify sets as EAGLE3 in every step (SGLang's ``organize_draft_results`` ranking,
@@ -21,9 +22,11 @@ the arguments it needs; the default model is the small testbed. On a GPU pass
 """
 
 import argparse
+import contextlib
 import json
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -53,6 +56,7 @@ _COLUMNS = (
     ("conc", 4, "concurrency", "{:d}"),
     ("done", 4, "completed", "{:d}"),
     ("tok/s", 8, "output_throughput", "{:.2f}"),
+    ("vs none", 7, "vs_none", "{:.3f}"),
     ("TPOT ms", 9, "mean_tpot_ms", "{:.1f}"),
     ("accept", 6, "accept_length", "{:.3f}"),
     ("experts", 7, "experts_per_layer_step", "{:.2f}"),
@@ -89,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"extra server flags (default on CPU: {CPU_SERVER_ARGS!r})",
     )
     parser.add_argument("--seed", type=int, default=0, help="prompt subset and order")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every algorithm this many times in turn and report the medians "
+        "(a machine whose speed drifts, e.g. a shared CPU)",
+    )
     parser.add_argument("--json", metavar="FILE", help="write the runs as JSON")
     parser.add_argument("--log-dir", help="keep server and client logs here")
     return parser
@@ -114,7 +125,7 @@ def validate(args: argparse.Namespace) -> dict:
         )
     if len(set(algorithms)) != len(algorithms):
         raise ValueError(f"--algorithms lists one twice: {args.algorithms!r}")
-    for flag in ("num_prompts", "output_len", "num_steps", "topk", "num_draft_tokens"):
+    for flag in ("num_prompts", "output_len", "num_steps", "topk", "num_draft_tokens", "rounds"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.output_len < 4:
@@ -144,6 +155,7 @@ def validate(args: argparse.Namespace) -> dict:
         "eps": args.eps,
         "server_args": shlex.split(server_args),
         "seed": args.seed,
+        "rounds": args.rounds,
         "cpu": cpu,
         "model_path": args.model_path,
         "draft_model_path": args.draft_model_path,
@@ -155,6 +167,7 @@ def server_launch(cfg: dict, algorithm: str) -> tuple[list[str], dict]:
     args = ["--model-path", cfg["model_path"], *cfg["server_args"]]
     # Metrics on every server alike: the phase's acceptance length comes from its counters.
     args += ["--max-running-requests", str(max(cfg["concurrency"])), "--enable-metrics"]
+    args += ["--sleep-on-idle"]  # the servers wait side by side (run)
     env = {}
     if algorithm != "none":
         name = "EAGLE3" if algorithm == "eagle3" else "ECOSPEC"
@@ -265,51 +278,108 @@ def format_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def measure(cfg: dict, server: LocalServer, algorithm: str, concurrency: int, dataset_file, out):
+    """One phase: a warmup request, then ``sglang.bench_serving`` at ``concurrency``; the
+    phase's record (throughput and latencies from the client, acceptance from the server's
+    counters, EcoSpec's statistics from its log lines of the phase)."""
+    server.generate(WARMUP_PROMPT, 4)
+    offset = server.log_size()
+    counters = server.metrics()
+    t0 = time.monotonic()
+    result = run_client(cfg, server, dataset_file, concurrency, out)
+    phase_log = server.log_text(offset)
+    accept = accept_length_between(counters, server.metrics(), result.get("completed") or 0)
+    stats = ecospec_log_summary(phase_log)
+    return {
+        "algorithm": algorithm,
+        "concurrency": concurrency,
+        "completed": result.get("completed"),
+        "output_throughput": result.get("output_throughput"),
+        "mean_tpot_ms": result.get("mean_tpot_ms"),
+        "median_tpot_ms": result.get("median_tpot_ms"),
+        "mean_ttft_ms": result.get("mean_ttft_ms"),
+        "accept_length": accept,
+        "experts_per_layer_step": stats["experts_per_layer_step"],
+        "predictor_recall": stats["predictor_recall"],
+        "verify_steps_logged": stats["verify_steps"],
+        "wall_seconds": time.monotonic() - t0,
+    }
+
+
+MEDIAN_KEYS = (
+    "output_throughput",
+    "mean_tpot_ms",
+    "median_tpot_ms",
+    "mean_ttft_ms",
+    "accept_length",
+    "experts_per_layer_step",
+    "predictor_recall",
+)
+
+
+def combine(records: list[dict]) -> dict:
+    """One (algorithm, concurrency)'s record over its rounds: the median of each figure (the
+    machine's speed drifts between rounds; every algorithm saw each round), the rounds'
+    own figures under ``rounds``."""
+    combined = dict(records[0])
+    for key in MEDIAN_KEYS:
+        values = [r[key] for r in records if r[key] is not None]
+        combined[key] = statistics.median(values) if values else None
+    combined["completed"] = sum(r["completed"] or 0 for r in records)
+    combined["verify_steps_logged"] = sum(r["verify_steps_logged"] for r in records)
+    combined["wall_seconds"] = sum(r["wall_seconds"] for r in records)
+    combined["rounds"] = [
+        {k: r[k] for k in ("output_throughput", "mean_tpot_ms", "mean_ttft_ms")} for r in records
+    ]
+    return combined
+
+
+def add_speed_ratios(runs: list[dict]) -> None:
+    """Sets each record's ``vs_none``: its output throughput over the server without
+    speculation's at the same concurrency (when that server ran)."""
+    plain = {r["concurrency"]: r["output_throughput"] for r in runs if r["algorithm"] == "none"}
+    for record in runs:
+        base = plain.get(record["concurrency"])
+        ours = record["output_throughput"]
+        record["vs_none"] = ours / base if base and ours is not None else None
+
+
 def run(cfg: dict, work: Path, log=print) -> list[dict]:
-    """Runs every algorithm at every concurrency; returns one record per (algorithm, conc)."""
+    """Every algorithm at every concurrency, ``cfg["rounds"]`` times over; one record per
+    (algorithm, concurrency) (:func:`combine`).
+
+    All servers start first and sleep while idle (``--sleep-on-idle``: an idle scheduler
+    otherwise spins a core); each round then measures every algorithm in turn, so a drift of
+    the machine's speed reaches every algorithm alike."""
     dataset_file = work / f"{cfg['dataset']}.json"
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
     write_sharegpt_file(cfg["dataset"], cfg["num_prompts"], cfg["seed"], dataset_file, tokenizer)
-    runs = []
-    for algorithm in cfg["algorithms"]:
-        args, env = server_launch(cfg, algorithm)
-        log(f"[bench_serving] {algorithm}: starting server ({'CPU mode' if cfg['cpu'] else 'GPU'})")
-        start = time.monotonic()
-        with LocalServer(args, work / f"server-{algorithm}.log", env=env, cpu=cfg["cpu"]) as server:
+    measured: dict[tuple[str, int], list[dict]] = {}
+    with contextlib.ExitStack() as servers_up:
+        servers = {}
+        for algorithm in cfg["algorithms"]:
+            args, env = server_launch(cfg, algorithm)
+            mode = "CPU mode" if cfg["cpu"] else "GPU"
+            log(f"[bench_serving] {algorithm}: starting server ({mode})")
+            start = time.monotonic()
+            server = LocalServer(args, work / f"server-{algorithm}.log", env=env, cpu=cfg["cpu"])
+            servers[algorithm] = servers_up.enter_context(server)
             log(f"[bench_serving] {algorithm}: ready after {time.monotonic() - start:.0f} s")
-            for concurrency in cfg["concurrency"]:
-                server.generate(WARMUP_PROMPT, 4)
-                offset = server.log_size()
-                counters = server.metrics()
-                t0 = time.monotonic()
-                out = work / f"client-{algorithm}-c{concurrency}.jsonl"
-                result = run_client(cfg, server, dataset_file, concurrency, out)
-                phase_log = server.log_text(offset)
-                accept = accept_length_between(
-                    counters, server.metrics(), result.get("completed") or 0
-                )
-                stats = ecospec_log_summary(phase_log)
-                record = {
-                    "algorithm": algorithm,
-                    "concurrency": concurrency,
-                    "completed": result.get("completed"),
-                    "output_throughput": result.get("output_throughput"),
-                    "mean_tpot_ms": result.get("mean_tpot_ms"),
-                    "median_tpot_ms": result.get("median_tpot_ms"),
-                    "mean_ttft_ms": result.get("mean_ttft_ms"),
-                    "accept_length": accept,
-                    "experts_per_layer_step": stats["experts_per_layer_step"],
-                    "predictor_recall": stats["predictor_recall"],
-                    "verify_steps_logged": stats["verify_steps"],
-                    "wall_seconds": time.monotonic() - t0,
-                }
-                runs.append(record)
-                log(
-                    f"[bench_serving] {algorithm} c={concurrency}: "
-                    f"{record['output_throughput']:.2f} tok/s ({record['wall_seconds']:.0f} s)"
-                )
+        for round_ in range(1, cfg["rounds"] + 1):
+            for algorithm, server in servers.items():
+                for concurrency in cfg["concurrency"]:
+                    out = work / f"client-{algorithm}-c{concurrency}-r{round_}.jsonl"
+                    record = measure(cfg, server, algorithm, concurrency, dataset_file, out)
+                    measured.setdefault((algorithm, concurrency), []).append(record)
+                    log(
+                        f"[bench_serving] round {round_}/{cfg['rounds']} {algorithm} "
+                        f"c={concurrency}: {record['output_throughput']:.2f} tok/s "
+                        f"({record['wall_seconds']:.0f} s)"
+                    )
+    runs = [combine(records) for records in measured.values()]
+    add_speed_ratios(runs)
     return runs
 
 
