@@ -73,6 +73,24 @@ def spy_on_selection(monkeypatch):
     return calls
 
 
+HOST_READS = ("tolist", "item", "__bool__", "cpu", "numpy")
+
+
+def spy_on_host_reads(monkeypatch) -> list[str]:
+    """Records every tensor method that reads a value to the host (a sync on a GPU); returns
+    the list the names are appended to."""
+    reads = []
+    for name in HOST_READS:
+        real = getattr(torch.Tensor, name)
+
+        def spy(tensor, *args, _name=name, _real=real, **kwargs):
+            reads.append(_name)
+            return _real(tensor, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    return reads
+
+
 def draft_tree_through_hooks(batch, topk, steps, hidden_size, seed=0, vocab=50):
     """As ``sglang_draft_tree``, but through the plugin's select hook, with distinct draft
     states: the root's of request b is b, beam row r's after step i is 100 * (i + 1) + r.

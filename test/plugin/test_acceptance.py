@@ -14,7 +14,7 @@ from _util import SYNC_OPS, compile_once, host_syncs
 from sglang_ecospec import acceptance, metrics, routing, selection
 from sglang_ecospec.settings import EcoSpecSettings
 
-from plugin._helpers import sglang_draft_tree
+from plugin._helpers import sglang_draft_tree, spy_on_host_reads
 from plugin.test_graph_safety import OpLog
 from sgl_ecospec.acceptance import AcceptanceCalibrator, expected_accepted
 
@@ -233,15 +233,7 @@ def test_forecast_and_measured_acceptance_reach_the_log_lines_and_metrics(caplog
 
 def test_after_verify_learns_on_the_device_without_host_sync(monkeypatch):
     runtime = make_runtime()
-    reads = []
-    for name in ("tolist", "item", "__bool__", "cpu", "numpy"):
-        real = getattr(torch.Tensor, name)
-
-        def spy(tensor, *args, _name=name, _real=real, **kwargs):
-            reads.append(_name)
-            return _real(tensor, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, spy)
+    reads = spy_on_host_reads(monkeypatch)
     try:
         tree = hand_tree()
         runtime.before_decode(

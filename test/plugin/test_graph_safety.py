@@ -15,7 +15,7 @@ from sglang_ecospec import ep_placement, routing, selection
 from sglang_ecospec.settings import EcoSpecSettings
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from plugin._helpers import sglang_draft_tree
+from plugin._helpers import sglang_draft_tree, spy_on_host_reads
 from sgl_ecospec.predictors import OnlineExpertPredictor
 
 BATCH, TOPK, STEPS, NDT, L, E, K = 3, 3, 3, 8, 2, 16, 2
@@ -149,15 +149,7 @@ def test_after_verify_is_a_few_kernels_without_host_sync(monkeypatch):
         max_batch=4,
         device="cpu",
     )
-    reads = []
-    for name in ("tolist", "item", "__bool__", "cpu", "numpy"):
-        real = getattr(torch.Tensor, name)
-
-        def spy(tensor, *args, _name=name, _real=real, **kwargs):
-            reads.append(_name)
-            return _real(tensor, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, spy)
+    reads = spy_on_host_reads(monkeypatch)
     try:
         tree = sglang_draft_tree(BATCH, TOPK, STEPS, seed=3)
         roots = torch.tensor([1, 2, 3])

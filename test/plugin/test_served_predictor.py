@@ -9,7 +9,7 @@ import torch
 from sglang_ecospec import memory, routing, selection, served_predictor
 from sglang_ecospec.settings import EcoSpecSettings
 
-from plugin._helpers import sglang_draft_tree
+from plugin._helpers import sglang_draft_tree, spy_on_host_reads
 from plugin.test_memory import allocations
 from sgl_ecospec.predictors import ContextExpertPredictor, OnlineExpertPredictor
 
@@ -319,15 +319,7 @@ def test_context_selection_and_learning_stay_on_the_device(monkeypatch):
             accept_index=torch.tensor([[0, 1, -1], [4, 5, -1]], dtype=torch.int32),
             accept_lens=torch.tensor([2, 2], dtype=torch.int32),
         )
-        reads = []
-        for name in ("tolist", "item", "__bool__", "cpu", "numpy"):
-            real = getattr(torch.Tensor, name)
-
-            def spy(tensor, *args, _name=name, _real=real, **kwargs):
-                reads.append(_name)
-                return _real(tensor, *args, **kwargs)
-
-            monkeypatch.setattr(torch.Tensor, name, spy)
+        reads = spy_on_host_reads(monkeypatch)
         from torch.utils._python_dispatch import TorchDispatchMode
 
         class Ops(TorchDispatchMode):
