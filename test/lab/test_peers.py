@@ -211,11 +211,14 @@ def _batch(policies):
     return entries, rows, ran
 
 
-def test_sweep_gates_cascade_like_adaptive():
+def test_sweep_gates_cascade_by_confidence_and_adaptive_by_itself():
     forward = _batch(["confidence", "evict", "adaptive", "cascade"])
     entries, rows, ran = _batch(["cascade", "adaptive", "evict", "confidence"])
     assert (entries, rows) == forward[:2]
-    assert ran.index("confidence") < min(ran.index("cascade"), ran.index("adaptive"))
+    assert ran.index("confidence") < ran.index("cascade")  # cascade's gate input first
+    # adaptive's own run pays at both keys, whatever confidence's prediction.
+    assert entries["adaptive"]["speculates"] == {"p": {"1": True, "8": True}}
+    assert rows["adaptive"][("p", 1)] == {"speculates": True, "speedup": 1.1}
     assert entries["cascade"]["speculates"] == {"p": {"1": False, "8": True}}
     assert rows["cascade"][("p", 1)] == {"speculates": False, "speedup": 1.0}
     assert rows["cascade"][("p", 8)] == {"speculates": True, "speedup": 1.3}
