@@ -23,6 +23,7 @@ from sgl_ecospec.ops.bitmaps import topk_to_bitmap
 from sgl_ecospec.ops.checks import check_int
 from sgl_ecospec.ops.selection import SelectionOptions, select_verify_set
 from sgl_ecospec.predictors.base import ExpertPredictor
+from sgl_ecospec.predictors.live_recall import LiveRecall
 
 
 class RankPlacement(Protocol):
@@ -140,6 +141,8 @@ def select_step(
     placement: RankPlacement | None = None,
     layer_weights: torch.Tensor | None = None,
     root_context: torch.Tensor | None = None,
+    live_recall: LiveRecall | None = None,
+    host_eps: bool = False,
 ) -> StepSelection:
     """Predicts every row's experts and picks each request's verify set.
 
@@ -157,6 +160,11 @@ def select_step(
         layer_weights: float ``[L]`` or None: each MoE layer's weight in DeltaCost.
         root_context: int ``[B]`` or None (unknown): the last verified token before each
             root, for predictors that read the tree's context (``needs_context``).
+        live_recall: the predictor's live recall, or None: with it DeltaCost trusts only
+            what the predictor knows (the recall-weighted cost, :meth:`LiveRecall.weigh` on
+            this step's root experts, ``layer_weights`` as its base).
+        host_eps: with ``live_recall``, read the unpredicted cost on the host into eps
+            (exact; one sync) instead of scaling the layer weights (graph-safe).
     """
     context = None
     if getattr(predictor, "needs_context", False):
@@ -165,6 +173,10 @@ def select_step(
     bitmaps = topk_to_bitmap(predicted, predictor.num_experts, validate=False)
     if valid is not None:
         bitmaps = bitmaps * valid.long()[:, None, None, None]
+    if live_recall is not None:
+        options, layer_weights = live_recall.weigh(
+            options, layer_weights, bitmaps[:, 0], valid, host_eps=host_eps
+        )
     selected = _select(scores, parents, bitmaps, budget, options, placement, layer_weights)
     rows = verify_rows(selected)
     verify_predicted = predicted[batch_index(rows), rows]

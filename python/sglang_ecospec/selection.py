@@ -41,8 +41,9 @@ in a persistent buffer, so the predictor's recall is measured on what selection 
 Recall-weighted cost (setting ``recall_weighted_cost``): DeltaCost trusts only what the
 predictor knows, as the offline engine's: each layer's trust from the predictor's
 :class:`sgl_ecospec.predictors.LiveRecall` (fed after every verify by the runtime) and the
-experts it misses added to eps, folded into the layer weights on the device
-(:func:`trusted_layer_weights`) so that nothing is read on the host.
+experts it misses, as far as the step's buffer has room for them, added to eps, folded into
+the layer weights on the device (``LiveRecall.weigh`` without ``host_eps``) so that nothing
+is read on the host.
 
 Calibrated acceptance (setting ``calibrated_acceptance``, :mod:`sglang_ecospec.acceptance`):
 with policy "ecospec" the scores handed to ``select_step`` are the calibrated acceptance
@@ -110,19 +111,6 @@ def candidate_parents(parent_list: torch.Tensor, num_candidates: int, topk: int)
         return torch.full((batch, num_candidates), -1, dtype=torch.int64, device=parent_list.device)
     slots = torch.arange(num_candidates, device=parent_list.device) // topk  # [N]
     return parent_list[:, slots].long()
-
-
-def trusted_layer_weights(live: LiveRecall, eps: float) -> torch.Tensor:
-    """float32 ``[L]``: DeltaCost's layer weights under the recall-weighted cost, on the
-    device.
-
-    The library's rule (``LiveRecall``, as the offline engine's ``recall_weighted_selection``
-    applies it) weights layer l by its trust w_l and raises eps by the unpredicted cost U,
-    which the engine reads on the host. P / (w.Delta + eps + U) = (1 / c) * P / (c w.Delta +
-    eps) with c = eps / (eps + U), the same for every candidate of the step, so the weights
-    c w_l with eps unchanged rank the candidates alike and keep U on the device.
-    """
-    return live.layer_weights() * (eps / (eps + live.unpredicted_cost()))
 
 
 class BlockPredictor:
@@ -383,9 +371,6 @@ class EcoSpecSelector:
             root_states, candidate_states = self._candidate_states(batch, num_candidates)
             states = torch.cat([root_states[:, None], candidate_states], 1)  # [B, 1 + N, H]
         options = self.options_for(batch)
-        layer_weights = None
-        if self.live_recall is not None:
-            layer_weights = trusted_layer_weights(self.live_recall, options.eps)
         raw = probs = scores.float()  # [B, N]
         calibrated = self.acceptance is not None and self.acceptance.fits(num_candidates)
         if calibrated:
@@ -403,8 +388,8 @@ class EcoSpecSelector:
             states=states,
             valid=valid,
             placement=self.placement,
-            layer_weights=layer_weights,
             root_context=root_context,
+            live_recall=self.live_recall,
         )
         index = step.selected  # [B, D-1] ascending; complete, every candidate is reachable
         adaptive = self.options.policy == "adaptive"

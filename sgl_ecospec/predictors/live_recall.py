@@ -8,6 +8,7 @@ import torch
 
 from sgl_ecospec.ops.bitmaps import bitmap_popcount, topk_to_bitmap
 from sgl_ecospec.ops.checks import check_int
+from sgl_ecospec.ops.selection import SelectionOptions
 
 
 class LiveRecall:
@@ -21,9 +22,12 @@ class LiveRecall:
     ``w_l * predicted_new_l + (1 - r_l) K free_l / (E - K)`` with
     ``w_l = (r_l - K/E) / (1 - K/E)`` (0 at chance, 1 for a perfect predictor) and ``free_l``
     the experts not yet in the buffer. :meth:`layer_weights` gives ``w_l``;
-    :meth:`unpredicted_cost` the second term summed over layers with ``free_l = E - K``
-    (a buffer holding one token's experts), a cost every candidate pays alike. The recall
-    starts at chance, so a cold predictor is trusted with nothing.
+    :meth:`unpredicted_cost` the second term summed over layers, a cost every candidate pays
+    alike, with ``free_l`` the free experts of the step's buffer when selection starts
+    (:meth:`buffer_free`: at batch 64 the roots alone fill most of a layer, and a missed
+    expert is then most likely loaded already) or ``E - K`` (a buffer holding one token's
+    experts). :meth:`weigh` applies both to a step's selection. The recall starts at
+    chance, so a cold predictor is trusted with nothing.
 
     Args:
         num_layers: L.
@@ -101,12 +105,88 @@ class LiveRecall:
         trust = trust.clamp(0.0, 1.0)
         return trust if base is None else trust * base.to(trust)
 
-    def unpredicted_cost(self, base: torch.Tensor | None = None) -> torch.Tensor:
+    def unpredicted_cost(
+        self, base: torch.Tensor | None = None, free: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """float32 scalar tensor: the expected new experts a candidate brings that the
-        predictor did not predict, ``sum_l base_l (1 - r_l) K`` (``base`` ``[L]`` or ones),
-        in expert loads like DeltaCost; every candidate pays it alike, so it acts as eps."""
+        predictor did not predict, ``sum_l base_l (1 - r_l) K free_l / (E - K)``, in expert
+        loads like DeltaCost; every candidate pays it alike, so it acts as eps.
+
+        Args:
+            base: float ``[L]`` or None (ones): the configured layer weights.
+            free: float ``[L]`` or None (``E - K``): experts not yet in the buffer
+                (:meth:`buffer_free`).
+        """
         missed = (1.0 - self.ema.clamp_min(self.chance)) * self.top_k  # [L]
+        if free is not None:
+            missed = missed * free.to(missed) / max(self.num_experts - self.top_k, 1)
         return (missed if base is None else missed * base.to(missed)).sum()
+
+    def buffer_free(
+        self,
+        root_experts: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        *,
+        share_buffer: bool = True,
+    ) -> torch.Tensor:
+        """float32 ``[L]``: experts per layer not in the step's expert buffer when selection
+        starts: outside the union of the roots' (``share_buffer``, one buffer for the batch)
+        or, per request, outside its root's, averaged over the valid requests.
+
+        Args:
+            root_experts: int64 ``[B, L, W]``: the roots' predicted expert bitmaps (empty
+                for requests that do not count).
+            valid: bool ``[B]`` or None (all): requests that count (per-request buffers).
+        """
+        device = self.ema.device
+        roots = root_experts.to(device)
+        if share_buffer:
+            bits = torch.arange(64, device=device)
+            present = ((roots[..., None] >> bits) & 1).amax(0)  # [L, W, 64]: the union's bits
+            held = present.sum((1, 2)).float()  # [L]
+        else:
+            counts = bitmap_popcount(roots).float()  # [B, L]
+            weight = torch.ones(counts.shape[0], device=device)
+            if valid is not None:
+                weight = valid.to(device, torch.float32)
+            held = (counts * weight[:, None]).sum(0) / weight.sum().clamp_min(1.0)
+        return (self.num_experts - held).clamp_min(0.0)
+
+    def weigh(
+        self,
+        options: SelectionOptions,
+        base: torch.Tensor | None,
+        root_experts: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        *,
+        host_eps: bool,
+    ) -> tuple[SelectionOptions, torch.Tensor]:
+        """A step's selection with DeltaCost trusting only what the predictor knows: each
+        layer weighted by its trust (:meth:`layer_weights`, times ``base``) and eps raised by
+        the unpredicted cost U of this step's buffer (:meth:`unpredicted_cost`,
+        :meth:`buffer_free`). A cold or useless predictor gets weight 0 and a large eps:
+        selection by confidence.
+
+        Args:
+            options: the step's selection options (its eps, share_buffer, policy).
+            base: float ``[L]`` or None: the configured layer weights.
+            root_experts, valid: as :meth:`buffer_free`.
+            host_eps: read U on the host (one sync) into eps, exactly. Else (graph-safe) eps
+                stays and the weights are scaled by c = eps / (eps + U): P / (w.Delta + eps
+                + U) = P / (c w.Delta + eps) / c ranks every candidate alike; "adaptive"'s
+                stopping rule, whose step cost is not scaled, then stops later than with the
+                exact rule.
+
+        Returns:
+            the options (eps raised when ``host_eps``) and DeltaCost's layer weights
+            float32 ``[L]``.
+        """
+        free = self.buffer_free(root_experts, valid, share_buffer=options.share_buffer)
+        unpredicted = self.unpredicted_cost(base, free)
+        weights = self.layer_weights(base)
+        if host_eps:
+            return options.with_eps(options.eps + float(unpredicted)), weights
+        return options, weights * (options.eps / (options.eps + unpredicted))
 
     def recall(self) -> float | None:
         """Cumulative recall over every row seen, all layers (a host sync), or None."""

@@ -177,12 +177,10 @@ def test_recall_weighted_cost_falls_from_ecospec_to_confidence_with_the_recall()
 
 
 def test_recall_weighted_cost_is_the_librarys_rule_without_a_host_read(monkeypatch):
-    """On SGLang trees the plugin's verify sets are those of the offline engine's
-    ``recall_weighted_selection`` (layer weights w_l, eps raised by the unpredicted cost, a
-    host read): the plugin folds that eps into the layer weights on the device. At recall 1
-    the plain EcoSpec selection."""
-    from sgl_ecospec.lab.engine.predictor_inputs import recall_weighted_selection
-
+    """On SGLang trees the plugin's verify sets are those of the offline engine's rule
+    (``LiveRecall.weigh`` with ``host_eps``: layer weights w_l, eps raised by the
+    unpredicted cost of the step's buffer, a host read): the plugin folds that eps into the
+    layer weights on the device. At recall 1 the plain EcoSpec selection."""
     calls = []
     real = library_step.select_verify_set
 
@@ -213,8 +211,11 @@ def test_recall_weighted_cost_is_the_librarys_rule_without_a_host_read(monkeypat
         got = selector.organize(*tree, 7)
         assert_valid_selection(tree, got, 7)
         ((args, kwargs),) = calls
-        options, extra = recall_weighted_selection(predictor, selector.options_for(4), {}, "cpu")
-        library = {**kwargs, "eps": options.eps, "layer_weights": extra["layer_weights"]}
+        options, weights = selector.live_recall.weigh(
+            selector.options_for(4), None, kwargs["root_experts"], host_eps=True
+        )
+        assert kwargs["eps"] == selector.options_for(4).eps  # nothing read on the host
+        library = {**kwargs, "eps": options.eps, "layer_weights": weights}
         assert torch.equal(got[1], real(*args, **library))
     plain.set_roots(roots)
     calls.clear()

@@ -51,9 +51,9 @@ class SpecConfig:
             output stays the target's own either way.
         recall_weighted_cost: DeltaCost trusts only what the expert predictor knows: each
             layer weighted by the predictor's live recall above chance, and the experts it
-            misses, which every candidate brings alike, added to eps
-            (``engine.predictor_inputs.recall_weighted_selection``); as recall falls,
-            "ecospec" approaches "confidence".
+            misses and the step's buffer does not hold yet, which every candidate brings
+            alike, added to eps (``sgl_ecospec.predictors.LiveRecall.weigh``); as recall
+            falls, "ecospec" approaches "confidence".
 
     E and L are checked against the target when the engine runs.
     """

@@ -53,7 +53,6 @@ from sgl_ecospec.lab.engine.oracle import OracleExpertPredictor
 from sgl_ecospec.lab.engine.predictor_inputs import (
     last_prompt_tokens,
     next_root_context,
-    recall_weighted_selection,
     record_recall,
     verified_context,
 )
@@ -62,7 +61,7 @@ from sgl_ecospec.lab.engine.stats import GreedyResult, SpecResult, StepStats, un
 from sgl_ecospec.lab.engine.target import TargetModel
 from sgl_ecospec.lab.engine.tree import DraftTree, build_verify_tree, greedy_accept
 from sgl_ecospec.ops.bitmaps import bitmap_popcount
-from sgl_ecospec.predictors import ExpertPredictor, OnlineExpertPredictor, topk_recall
+from sgl_ecospec.predictors import ExpertPredictor, LiveRecall, OnlineExpertPredictor, topk_recall
 from sgl_ecospec.step import (
     Placement,
     SelectionOptions,
@@ -272,7 +271,7 @@ class OfflineEngine:
             predictor.prime(tokens.flatten(), truth.flatten(0, 1))
         options, extra = selection
         if spec.recall_weighted_cost:
-            options, extra = recall_weighted_selection(predictor, options, extra, self.device)
+            extra = {**extra, "live_recall": LiveRecall.of(predictor, self.device)}
         calibrated = calibrator.calibrate(tree.scores, tree.parents, validate=False)  # [B, N]
         chosen = select_step(
             predictor,
@@ -283,6 +282,7 @@ class OfflineEngine:
             options,
             states=hidden,
             root_context=root_context,
+            host_eps=True,
             **extra,
         )
         if spec.policy == EVICT:

@@ -1,6 +1,6 @@
 """What the offline engine gives the expert predictor besides the candidate tokens: each
-row's context (its parent token), the live recall measured on every verify step, and the
-recall-weighted selection cost (``SpecConfig.recall_weighted_cost``).
+row's context (its parent token) and the live recall measured on every verify step (which
+``SpecConfig.recall_weighted_cost`` selects with, ``LiveRecall.weigh``).
 
 Shape legend: B = requests, N = candidates, S = budget, T = verified rows, L = MoE layers,
 K = experts per token.
@@ -9,7 +9,7 @@ K = experts per token.
 import torch
 
 from sgl_ecospec.predictors import ExpertPredictor, LiveRecall
-from sgl_ecospec.step import SelectionOptions, StepSelection, batch_index, verify_rows
+from sgl_ecospec.step import StepSelection, batch_index, verify_rows
 
 
 def last_prompt_tokens(prompts: list[list[int]], device) -> torch.Tensor:
@@ -41,25 +41,3 @@ def record_recall(
     """Adds a verify step to the predictor's :class:`LiveRecall` (attached on first use):
     ``predicted`` and ``routing`` int ``[T, L, K]`` of the verified rows."""
     LiveRecall.of(predictor, routing.device).update(predicted, routing)
-
-
-def recall_weighted_selection(
-    predictor: ExpertPredictor, options: SelectionOptions, extra: dict, device
-) -> tuple[SelectionOptions, dict]:
-    """The step's selection with DeltaCost trusting only what the predictor knows: each
-    layer weighted by its live trust (``LiveRecall.layer_weights``, times the configured
-    layer weights) and the experts the predictor misses, which every candidate brings alike,
-    added to eps (``LiveRecall.unpredicted_cost``). A cold or useless predictor gets weight 0
-    and a large eps: selection by confidence.
-
-    Args:
-        options: the spec's options; extra: ``select_step``'s tensor keywords (its
-            ``layer_weights`` float ``[L]``, if any, is the base).
-
-    Reading the unpredicted cost into eps is one host sync per step (the engine syncs every
-    step anyway); the layer weights stay on the device.
-    """
-    live = LiveRecall.of(predictor, device)
-    base = extra.get("layer_weights")
-    weighted = {**extra, "layer_weights": live.layer_weights(base)}
-    return options.with_eps(options.eps + float(live.unpredicted_cost(base))), weighted
