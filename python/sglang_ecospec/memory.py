@@ -154,7 +154,7 @@ def selection_step_bytes(
     budget = num_draft_tokens - 1
     tree = batch * n * (_F32 + 3 * _I64) + batch * (1 + n) * _I64 + n * _I64  # scores, ids, parents
     tree += batch * (1 + (num_steps - 1) * topk) * _I64  # parent_list
-    if predictor in ("vocab", "context"):
+    if predictor in ("vocab", "context", "adjacent"):
         # Cached top-K rows gathered (token, pair, chosen) and the pair hashes; each row's
         # parent token (the tree's context), and the verify rows' for observe.
         scoring = chunk * (layers * top_k * (3 * _BOOL + _I64) + 16 * _I64)
@@ -187,8 +187,10 @@ def after_verify_bytes(
     stats = layers * experts * _BOOL + tokens * layers * top_k * top_k * _BOOL
     stats += (8 + 3 * layers) * _I64
     observe = tokens * layers * top_k * _I64  # routing with uncaptured rows clamped
-    if predictor in ("vocab", "context"):
-        observe += context_observe_bytes(shape, tokens, pairs=predictor == "context")
+    if predictor in ("vocab", "context", "adjacent"):
+        observe += context_observe_bytes(
+            shape, tokens, pairs=predictor != "vocab", recency=predictor == "adjacent"
+        )
     else:
         observe += tokens * (layers * experts * _F32 + 5 * _I64) + 2 * layers * experts * _F32
     recall = 0
@@ -198,15 +200,18 @@ def after_verify_bytes(
     return stats + observe + recall
 
 
-def context_observe_bytes(shape: ModelShape, tokens: int, *, pairs: bool) -> int:
+def context_observe_bytes(
+    shape: ModelShape, tokens: int, *, pairs: bool, recency: bool = False
+) -> int:
     """``ContextExpertPredictor.observe``'s temporaries for ``tokens`` rows, at its peak: the
     float ``[T, L, E]`` alive inside a count update (the multi-hot, then the old, summed,
     new, scaled and floored counts), with a pair table also the token's counts and scores
-    (8 of them, 6 without), the gathered table rows, the ``[T, T]`` group masks, the top-K and
-    per-row numbers."""
+    (8 of them, 6 without; with ``recency``, AdjacentExpertPredictor's, one more: the cached
+    scores plus the latest routing), the gathered table rows, the ``[T, T]`` group masks, the
+    top-K and per-row numbers."""
     layers, experts, top_k = shape.num_layers, shape.num_experts, shape.top_k
     dense = tokens * layers * experts
-    floats = 8 if pairs else 6
+    floats = (8 if pairs else 6) + int(recency)
     return (
         floats * dense * _F32
         + dense * _BOOL

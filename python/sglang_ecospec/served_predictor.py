@@ -19,6 +19,7 @@ Shape legend: B = requests, D = verify rows per request, P = request-pool slots.
 import torch
 
 from sgl_ecospec.predictors import (
+    AdjacentExpertPredictor,
     ContextExpertPredictor,
     ExpertPredictor,
     LowRankExpertHead,
@@ -56,7 +57,9 @@ def build_predictor(settings: EcoSpecSettings, hf_config, device) -> ExpertPredi
             return make_predictor(
                 settings.predictor, *shape.values(), vocab_size=vocab, device=device
             )
-        predictor = ContextExpertPredictor.load(settings.predictor_file, device=device, **shape)
+        adjacent = settings.predictor == "adjacent"
+        kind = AdjacentExpertPredictor if adjacent else ContextExpertPredictor
+        predictor = kind.load(settings.predictor_file, device=device, **shape)
         check_vocab_file(settings, predictor, vocab)
         return predictor
     if settings.predictor_file:
@@ -80,6 +83,8 @@ def check_vocab_file(settings: EcoSpecSettings, predictor: ContextExpertPredicto
             "the table from a predictor built for this target's vocabulary"
         )
     kind = "context" if predictor.pair_buckets else "vocab"
+    if isinstance(predictor, AdjacentExpertPredictor):
+        kind = "adjacent"
     if kind != settings.predictor:
         raise ValueError(
             f"{source} holds a {kind!r} table ({predictor.pair_buckets} pair slots); serve it "

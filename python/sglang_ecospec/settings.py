@@ -32,8 +32,9 @@ CONFIG_ENV = ENV_PREFIX + "CONFIG"
 POLICIES = ("ecospec", "confidence", "adaptive")
 PREDICTORS = (*ONLINE_PREDICTORS, "head")
 # ContextExpertPredictor's kinds: a row per token of the target's vocabulary ("context" also
-# the (parent token, token) pairs).
-VOCAB_PREDICTORS = ("vocab", "context")
+# the (parent token, token) pairs; "adjacent", AdjacentExpertPredictor, also recency and the
+# parent's experts for unseen tokens).
+VOCAB_PREDICTORS = ("vocab", "context", "adjacent")
 AUTO = "auto"  # eps from the cost model
 
 
@@ -73,11 +74,13 @@ class EcoSpecSettings:
             counts per token in hashed rows, learnt while serving), "vocab" or "context"
             (:class:`sgl_ecospec.predictors.ContextExpertPredictor` from the library's
             catalog, a row per token of the target's vocabulary; "context" adds the (parent
-            token, token) pair table) or "head" (a trained
+            token, token) pair table), "adjacent" (``context`` as
+            :class:`sgl_ecospec.predictors.AdjacentExpertPredictor`: cached experts lean to
+            each row's latest routing, an unseen token takes its parent's) or "head" (a trained
             :class:`sgl_ecospec.predictors.LowRankExpertHead`, from ``sgl-ecospec train-head``:
             reads each candidate's token and the draft state that proposed it; used as
             trained).
-        predictor_file: for "online", "vocab" and "context" a warm start written by the
+        predictor_file: for "online", "vocab", "context" and "adjacent" a warm start written by the
             predictor's ``save``, or None; for "head" the head (required). Its layer count,
             experts and top-k (a vocab table's vocabulary, a head's hidden size) must match
             the served model.

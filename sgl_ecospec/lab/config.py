@@ -17,6 +17,7 @@ import sys
 from sgl_ecospec.costmodel.profiles import HARDWARE, MODELS, get_hardware, get_model
 from sgl_ecospec.lab.costmodel_report import parse_positive_ints
 from sgl_ecospec.ops.selection import DEFAULT_EPS, POLICIES, SelectionOptions
+from sgl_ecospec.predictors.catalog import ONLINE_PREDICTORS
 
 # The peers of ../shared/docs/PEERS.md as benchmark policies (docs/bench.md, "Peers"):
 # "evict" cuts confidence's choice to its best prefix per step (lab/engine/evict.py),
@@ -180,10 +181,10 @@ class BenchConfig(_Config):
             SelectionOptions(eps=self.eps)  # the one eps rule, the op's
         except (TypeError, ValueError):
             raise ValueError(f"--eps must be > 0, got {self.eps}") from None
-        if self.save_predictor and self.predictor not in ("online", "vocab", "context"):
+        if self.save_predictor and self.predictor not in ONLINE_PREDICTORS:
             raise ValueError(
                 "--save-predictor writes the online predictor's table; use --predictor "
-                "online, vocab or context"
+                f"{', '.join(ONLINE_PREDICTORS)}"
             )
         _check_predictor(self.predictor, self.predictor_file)
         _check_models(self.target, self.draft)

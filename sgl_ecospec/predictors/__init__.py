@@ -10,6 +10,8 @@ during verification, behind one interface (:class:`ExpertPredictor`):
 - :class:`ContextExpertPredictor` (``context``): routing counts per token (every token its
   own row where memory allows, compact counts) and per (parent token, token) pair, backing
   off pair -> token -> global frequency; predictions are cached top-K rows (a few gathers).
+- :class:`AdjacentExpertPredictor` (``adjacent``): ``context`` whose cached rows lean towards
+  the latest routing, and whose unseen tokens take their parent token's experts.
 - :class:`LowRankExpertHead` (``head``): a small low-rank head on the drafter's hidden state
   and the candidate token, trained offline with :func:`train_expert_head` (``training``;
   the CLI's ``sgl-ecospec train-head``) and/or online through ``observe``.
@@ -19,6 +21,7 @@ during verification, behind one interface (:class:`ExpertPredictor`):
 (``live_recall``) measures a predictor's recall per layer while it serves.
 """
 
+from sgl_ecospec.predictors.adjacent import AdjacentExpertPredictor
 from sgl_ecospec.predictors.base import ExpertPredictor, multi_hot, topk_recall
 from sgl_ecospec.predictors.catalog import ONLINE_PREDICTORS, make_predictor
 from sgl_ecospec.predictors.context import ContextExpertPredictor
@@ -30,6 +33,7 @@ from sgl_ecospec.predictors.training import train_expert_head
 
 __all__ = [
     "ONLINE_PREDICTORS",
+    "AdjacentExpertPredictor",
     "ContextExpertPredictor",
     "ExpertPredictor",
     "LiveRecall",

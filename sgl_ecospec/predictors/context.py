@@ -176,7 +176,7 @@ class ContextExpertPredictor(SavedTables, ExpertPredictor):
         """As :meth:`ExpertPredictor.predict_topk`; ``context_tokens`` int ``[T]`` (or None:
         no context): each row's parent token, -1 where unknown."""
         self._check(token_ids, context_tokens, validate)
-        rows = self.token_rows(token_ids)
+        rows = self._lookup_rows(self.token_rows(token_ids), context_tokens)
         seen = self.token_seen[rows][:, None, None]
         pred = torch.where(seen, self.token_topk[rows], self.prior_topk)  # [T, L, K]
         if self.pair_buckets and context_tokens is not None:
@@ -201,10 +201,13 @@ class ContextExpertPredictor(SavedTables, ExpertPredictor):
 
         rows = self.token_rows(token_ids)
         token = self._accumulate(self.token_counts, rows, rows, hot)  # [T, L, E]
-        token_score = token + self.prior_weight * global_dist
+        # The token's smoothed distribution, summing to K per layer like the pair's counts.
+        seen = token.sum(-1, keepdim=True) / self.top_k + self.prior_weight
+        token_dist = (token + self.prior_weight * global_dist) / seen
         target = torch.where(_last_of_each(rows), rows, self.num_rows)
         self.token_counts[target] = token.to(self.token_counts.dtype)
-        self.token_topk[target] = self._topk(token_score)
+        # Only each group's last row writes, so ``hot`` there is the row's latest routing.
+        self.token_topk[target] = self._cached_topk(token_dist, hot)
         self.token_seen[target] = True
         if not self.pair_buckets or context_tokens is None:
             return
@@ -214,14 +217,13 @@ class ContextExpertPredictor(SavedTables, ExpertPredictor):
         key = torch.where(valid, key, -1 - torch.arange(num_tokens, device=self.device))
         stored = self.pair_keys[slot] == key
         pair = self._accumulate(self.pair_counts, slot, key, hot, keep=stored)
-        # The token's smoothed distribution, summing to K per layer like the pair's counts.
-        seen = token.sum(-1, keepdim=True) / self.top_k + self.prior_weight
-        token_dist = token_score / seen
+        pair_seen = pair.sum(-1, keepdim=True) / self.top_k + self.pair_weight
         keep = valid & _last_of_each(torch.where(valid, slot, key))
         target = torch.where(keep, slot, self.pair_buckets)
         self.pair_keys[target] = torch.where(keep, key, -1)
         self.pair_counts[target] = pair.to(self.pair_counts.dtype)
-        self.pair_topk[target] = self._topk(pair + self.pair_weight * token_dist)
+        pair_dist = (pair + self.pair_weight * token_dist) / pair_seen
+        self.pair_topk[target] = self._cached_topk(pair_dist, hot)
 
     # --- internals ---------------------------------------------------------------------------
 
@@ -261,8 +263,25 @@ class ContextExpertPredictor(SavedTables, ExpertPredictor):
         scale = torch.where(peak > self._count_limit, 0.5 * self._count_limit / peak, 1.0)
         return torch.floor(counts * scale) if math.isfinite(self._count_limit) else counts
 
+    def _lookup_rows(self, rows: torch.Tensor, context_tokens: torch.Tensor | None):
+        """int64 ``[T]``: the token row whose cached experts each row reads, its own
+        (``rows`` int64 ``[T]``) here; a subclass may read another row, chosen from the rows'
+        parent tokens (``context_tokens`` int ``[T]``, -1 where unknown, or None)."""
+        return rows
+
     def _topk(self, score: torch.Tensor) -> torch.Tensor:
         return torch.topk(score, self.top_k, dim=-1).indices.to(self.token_topk.dtype)
+
+    def _cached_topk(self, dist: torch.Tensor, latest: torch.Tensor) -> torch.Tensor:
+        """The experts a token or pair row caches, ``[T, L, K]`` in the cache's dtype.
+
+        Args:
+            dist: float32 ``[T, L, E]``: each row's smoothed distribution (sums to K per
+                layer), whose top-K this table caches.
+            latest: float32 ``[T, L, E]``: multi-hot of each row's latest routing; unused
+                here, the hook through which a subclass favours recent routing.
+        """
+        return self._topk(dist)
 
     def _global_distribution(self) -> torch.Tensor:
         total = self.prior.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
@@ -278,7 +297,7 @@ class ContextExpertPredictor(SavedTables, ExpertPredictor):
         """Tables, config and format version, as CPU tensors and plain Python values."""
         tables = {name: t.cpu() for name, t in self._tables().items()}
         return {
-            "format": CONTEXT_FORMAT,
+            "format": self.STATE_FORMAT,
             "version": STATE_VERSION,
             "config": self.config(),
             **tables,
@@ -286,12 +305,12 @@ class ContextExpertPredictor(SavedTables, ExpertPredictor):
 
     def load_state_dict(self, state: dict, *, source: str = "state dict") -> None:
         """Restores a :meth:`state_dict`; its config must equal this predictor's."""
-        check_state_header(state, source, CONTEXT_FORMAT)
+        check_state_header(state, source, self.STATE_FORMAT)
         diffs = config_diffs(state["config"], self.config())
         if diffs:
             raise ValueError(
                 f"{source} was saved by a predictor with a different config ({diffs}); load "
-                f"it with ContextExpertPredictor.load(path) to get its own config"
+                f"it with {type(self).__name__}.load(path) to get its own config"
             )
         for name, table in self._tables().items():
             table.copy_(state[name])

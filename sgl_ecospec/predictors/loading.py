@@ -4,11 +4,18 @@ import os
 
 import torch
 
+from sgl_ecospec.predictors.adjacent import AdjacentExpertPredictor
 from sgl_ecospec.predictors.base import ExpertPredictor
 from sgl_ecospec.predictors.context import ContextExpertPredictor
 from sgl_ecospec.predictors.head import LowRankExpertHead
 from sgl_ecospec.predictors.online import OnlineExpertPredictor
-from sgl_ecospec.predictors.state import CONTEXT_FORMAT, HEAD_FORMAT, state_source, torch_load
+from sgl_ecospec.predictors.state import (
+    ADJACENT_FORMAT,
+    CONTEXT_FORMAT,
+    HEAD_FORMAT,
+    state_source,
+    torch_load,
+)
 
 
 def load_predictor(
@@ -21,8 +28,8 @@ def load_predictor(
     hidden_size: int | None = None,
 ) -> ExpertPredictor:
     """A predictor saved by :meth:`OnlineExpertPredictor.save`,
-    :meth:`ContextExpertPredictor.save` or :meth:`LowRankExpertHead.save` (a head loads
-    frozen), whichever the file holds.
+    :meth:`ContextExpertPredictor.save`, :meth:`AdjacentExpertPredictor.save` or
+    :meth:`LowRankExpertHead.save` (a head loads frozen), whichever the file holds.
 
     Args: as the ``load`` methods; ``hidden_size`` is checked for a head only.
 
@@ -38,4 +45,6 @@ def load_predictor(
         )
     if isinstance(state, dict) and state.get("format") == CONTEXT_FORMAT:
         return ContextExpertPredictor._from_state(state, source, device=device, **shape)
+    if isinstance(state, dict) and state.get("format") == ADJACENT_FORMAT:
+        return AdjacentExpertPredictor._from_state(state, source, device=device, **shape)
     return OnlineExpertPredictor._from_state(state, source, device=device, **shape)

@@ -7,6 +7,7 @@ import torch
 ONLINE_FORMAT = "sgl_ecospec.OnlineExpertPredictor"
 HEAD_FORMAT = "sgl_ecospec.LowRankExpertHead"
 CONTEXT_FORMAT = "sgl_ecospec.ContextExpertPredictor"
+ADJACENT_FORMAT = "sgl_ecospec.AdjacentExpertPredictor"
 STATE_VERSION = 1
 
 
@@ -42,8 +43,8 @@ def torch_load(path: str | os.PathLike):
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"no expert predictor file at {os.fspath(path)!r}: check the path, or write one "
-            f"(OnlineExpertPredictor.save, ContextExpertPredictor.save, LowRankExpertHead.save, "
-            f"or the CLI's "
+            f"(OnlineExpertPredictor.save, ContextExpertPredictor.save, "
+            f"AdjacentExpertPredictor.save, LowRankExpertHead.save, or the CLI's "
             f"`sgl-ecospec bench --save-predictor` / `sgl-ecospec train-head`)"
         )
     try:

@@ -196,7 +196,27 @@ def test_saved_vocab_tables_must_fit_the_served_vocabulary_and_kind(tmp_path):
         served_predictor.build_predictor(vocab, moe_config(), "cpu")
 
 
-@pytest.mark.parametrize("name", ["vocab", "context"])
+def test_adjacent_is_served_fresh_or_from_its_own_saved_table(tmp_path):
+    from sgl_ecospec.predictors import AdjacentExpertPredictor, make_predictor
+
+    fresh = build_runtime(EcoSpecSettings(predictor="adjacent", log_interval=0))
+    fresh.close()
+    assert isinstance(fresh.predictor, AdjacentExpertPredictor)
+    assert fresh.predictor.vocab_size == VOCAB and fresh.root_context is not None
+    path = tmp_path / "adjacent.pt"
+    saved = make_predictor("adjacent", L, E, K, vocab_size=VOCAB)
+    saved.observe(torch.tensor([3]), torch.tensor([[[1, 2], [3, 4]]]), context_tokens=None)
+    saved.save(path)
+    settings = EcoSpecSettings(predictor="adjacent", predictor_file=str(path))
+    loaded = served_predictor.build_predictor(settings, moe_config(), "cpu")
+    assert isinstance(loaded, AdjacentExpertPredictor)
+    assert torch.equal(loaded.token_topk, saved.token_topk)
+    context = EcoSpecSettings(predictor="context", predictor_file=str(path))
+    with pytest.raises(ValueError, match="not a saved ContextExpertPredictor"):
+        served_predictor.build_predictor(context, moe_config(), "cpu")
+
+
+@pytest.mark.parametrize("name", ["vocab", "context", "adjacent"])
 @pytest.mark.parametrize("recall_weighted", [False, True])
 def test_memory_counts_the_context_tables_and_their_buffers(name, recall_weighted):
     """The computed footprint is what the runtime keeps (the predictor's tables as the

@@ -6,7 +6,7 @@ Parsing only: the values are checked where the configuration is built
 
 import argparse
 
-PREDICTORS = ("online", "vocab", "context", "oracle", "head")
+PREDICTORS = ("online", "vocab", "context", "adjacent", "oracle", "head")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -25,8 +25,10 @@ def add_predictor_arguments(group) -> None:
         default="online",
         help="online: routing counts learnt while decoding (4096 hashed token rows); vocab: "
         "the same with every token its own row (compact counts); context: vocab plus (parent "
-        "token, token) pair counts, backing off to the token; oracle: the true routing; head: "
-        "a trained LowRankExpertHead (--predictor-file, from `sgl-ecospec train-head`)",
+        "token, token) pair counts, backing off to the token; adjacent: context leaning to "
+        "each row's latest routing, an unseen token taking its parent's experts; oracle: the "
+        "true routing; head: a trained LowRankExpertHead (--predictor-file, from "
+        "`sgl-ecospec train-head`)",
     )
     group.add_argument(
         "--predictor-file",

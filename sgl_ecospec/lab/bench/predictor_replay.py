@@ -30,6 +30,7 @@ from sgl_ecospec.lab.config import BenchConfig, with_models
 from sgl_ecospec.lab.datasets import DATASETS, load_prompts, render_chat
 from sgl_ecospec.ops.bitmaps import bitmap_popcount, topk_to_bitmap
 from sgl_ecospec.predictors import (
+    AdjacentExpertPredictor,
     ContextExpertPredictor,
     ExpertPredictor,
     OnlineExpertPredictor,
@@ -49,6 +50,10 @@ def _context(vocab, **kw):
     return lambda L, E, K: ContextExpertPredictor(L, E, K, vocab_size=vocab, **kw)
 
 
+def _adjacent(vocab, **kw):
+    return lambda L, E, K: AdjacentExpertPredictor(L, E, K, vocab_size=vocab, **kw)
+
+
 def variants(vocab_size: int) -> dict:
     """Predictor name -> factory(L, E, K) of every predictor the command measures."""
     pairs = {f"context-pairs{n // 1024}k": n for n in (16384, 65536, 262144)}
@@ -66,6 +71,12 @@ def variants(vocab_size: int) -> dict:
         table[f"context-pairs64k-w{weight:g}"] = _context(
             vocab_size, pair_buckets=65536, pair_weight=weight
         )
+    for weight in (0.25, 0.5, 1.0):
+        table[f"adjacent-pairs16k-r{weight:g}"] = _adjacent(
+            vocab_size, pair_buckets=16384, recent_weight=weight
+        )
+    table["adjacent-vocab-r0.5"] = _adjacent(vocab_size)
+    table["adjacent-hashed4096-r0.5"] = _adjacent(None, token_buckets=4096)
     return table
 
 

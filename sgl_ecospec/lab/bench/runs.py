@@ -80,7 +80,12 @@ def run_predictor(cfg, engine):
 def load_run_predictor(cfg, engine):
     """``--predictor-file`` loaded for ``engine``'s target and draft, and of the kind
     ``--predictor`` names (a head, or an online table to start from)."""
-    from sgl_ecospec.predictors import ContextExpertPredictor, LowRankExpertHead, load_predictor
+    from sgl_ecospec.predictors import (
+        AdjacentExpertPredictor,
+        ContextExpertPredictor,
+        LowRankExpertHead,
+        load_predictor,
+    )
 
     predictor = load_predictor(
         cfg.predictor_file,
@@ -92,6 +97,8 @@ def load_run_predictor(cfg, engine):
     )
     if isinstance(predictor, LowRankExpertHead):
         kind, names = "a LowRankExpertHead", ("head",)
+    elif isinstance(predictor, AdjacentExpertPredictor):
+        kind, names = "an adjacent predictor table", ("adjacent",)
     elif isinstance(predictor, ContextExpertPredictor):
         kind, names = "a context predictor table", ("vocab", "context")
     else:
