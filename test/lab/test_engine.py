@@ -239,6 +239,9 @@ def test_paired_selection_scores_both_sets_on_the_same_trees(setup, greedy):
     differ = 0
     for step in paired.steps:
         assert torch.equal(step.paired_bitmaps[0], step.expert_bitmap)
+        # The run's own set accepts, in the pass over the whole tree, what its verify did.
+        assert step.paired_accepted[0] == sum(step.accepted)
+        assert step.paired_verified[0] == step.verified_tokens
         own, other = step.paired_scores
         # Confidence takes the top scores, so no ancestor-closed set of its size sums higher.
         assert 0 < own <= other + 1e-9
@@ -253,6 +256,25 @@ def test_paired_selection_scores_both_sets_on_the_same_trees(setup, greedy):
         own, roots = step.paired_bitmaps
         assert step.paired_scores[1] == 0.0 and not bool((roots & ~own).any())
         assert bitmap_popcount(roots).sum() >= TOP_K * LAYERS
+
+    # Compared with evict: flat step seconds keep confidence's whole set, steep ones cut it
+    # to the roots.
+    budget = eco.budget
+    flat = SpecConfig(policy="evict", evict_seconds=(1.0,) * (budget + 1))
+    steep = SpecConfig(
+        policy="evict", evict_seconds=tuple(1.0 + 100 * k for k in range(budget + 1))
+    )
+    against_conf = paired.steps
+    for compare, check in ((flat, "whole"), (steep, "roots")):
+        steps = engine.generate_speculative(PROMPTS, MAX_NEW, eco, compare=compare).steps
+        for step, conf_step in zip(steps, against_conf, strict=True):
+            if check == "whole":
+                assert torch.equal(step.paired_bitmaps[1], conf_step.paired_bitmaps[1])
+                assert step.paired_accepted[1] == conf_step.paired_accepted[1]
+                assert step.paired_verified[1] == step.batch_size * (1 + budget)
+            else:
+                assert step.paired_verified[1] == step.batch_size
+                assert step.paired_accepted[1] == 0 and step.paired_scores[1] == 0.0
 
     same = engine.generate_speculative(PROMPTS[:1], 4, eco, compare=eco).steps
     assert all(torch.equal(s.paired_bitmaps[0], s.paired_bitmaps[1]) for s in same)

@@ -7,6 +7,7 @@ from sgl_ecospec import select_verify_set
 from sgl_ecospec.lab.engine.kvcache import BatchKVCache
 from sgl_ecospec.lab.engine.tree import (
     DraftTree,
+    accepted_within,
     build_verify_tree,
     greedy_accept,
     grow_tree,
@@ -131,6 +132,42 @@ def test_verify_tree_and_greedy_accept():
     assert greedy_accept(verify, predictions).tolist() == [[0, 1, 3]]
     # Disagreeing at the root accepts nothing.
     assert greedy_accept(verify, torch.tensor([[55, 0, 0, 0, 0, 0]])).tolist() == [[0]]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_acceptance_of_a_subset_read_from_the_whole_tree(seed):
+    """What a selection would accept, read from one pass over the whole tree, equals greedy
+    acceptance over that selection's own verify tree (same argmax at each node)."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, n, vocab = 3, 12, 3  # a small vocabulary: the argmax often matches a child
+    parents = torch.stack(
+        [torch.tensor([int(torch.randint(-1, i, (1,), generator=gen)) for i in range(n)])] * batch
+    )
+    tree = DraftTree(
+        scores=torch.rand(batch, n, generator=gen),
+        tokens=torch.randint(0, vocab, (batch, n), generator=gen),
+        parents=parents,
+        hidden=torch.zeros(batch, n, 1),
+    )
+    roots = torch.randint(0, vocab, (batch,), generator=gen)
+    whole = build_verify_tree(roots, tree, torch.arange(n).expand(batch, -1))
+    predictions = torch.randint(0, vocab, (batch, n + 1), generator=gen)
+    deepest = accepted_within(whole, predictions, torch.arange(n).expand(batch, -1))
+    for budget in (0, 2, 5, n):
+        scores = torch.rand(batch, n, generator=gen)
+        selected = select_verify_set(
+            scores,
+            tree.parents,
+            torch.zeros(batch, n, 1, 1, dtype=torch.int64),
+            budget,
+            policy="confidence",
+        )
+        sub = build_verify_tree(roots, tree, selected)
+        rows = torch.cat([torch.zeros(batch, 1, dtype=torch.int64), selected + 1], 1)
+        sub_predictions = predictions.gather(1, rows.clamp_min(0))
+        want = (greedy_accept(sub, sub_predictions) >= 0).sum(1) - 1
+        assert torch.equal(accepted_within(whole, predictions, selected), want), budget
+        assert bool((want <= deepest).all())  # a subset never accepts more than the tree
 
 
 def test_kv_cache_commit_and_select():

@@ -69,8 +69,12 @@ def trained_online(seed=0):
 def root_bitmaps(tokens, predictor):
     """int64 ``[B, L, W]``: the roots' predicted experts, as ``select_step`` seeds the buffer."""
     return select_step(
-        predictor, tokens, torch.zeros(tokens.shape[0], tokens.shape[1] - 1),
-        torch.full((tokens.shape[0], tokens.shape[1] - 1), -1), 0, SelectionOptions("confidence"),
+        predictor,
+        tokens,
+        torch.zeros(tokens.shape[0], tokens.shape[1] - 1),
+        torch.full((tokens.shape[0], tokens.shape[1] - 1), -1),
+        0,
+        SelectionOptions("confidence"),
     ).bitmaps[:, 0]
 
 
@@ -142,14 +146,22 @@ def test_missed_experts_cost_only_what_the_buffer_does_not_hold():
     # buffer, and takes the nodes whose probability pays for the step.
     batch = V  # every token a root: their random experts fill each layer
     gen = torch.Generator().manual_seed(3)
-    tokens = torch.cat([torch.arange(V)[:, None], torch.randint(0, V, (batch, 6), generator=gen)], 1)
+    tokens = torch.cat(
+        [torch.arange(V)[:, None], torch.randint(0, V, (batch, 6), generator=gen)], 1
+    )
     scores = torch.tensor([[0.9, 0.8, 0.7, 0.6, 0.5, 0.4]] * batch)
     parents = torch.full((batch, 6), -1)
     options = SelectionOptions("adaptive", eps=0.5, share_buffer=True, step_cost=4.0)
     predictor = trained_online()
     predictor.live_recall = live
     small = select_step(
-        predictor, tokens[:1], scores[:1], parents[:1], 6, options, live_recall=live,
+        predictor,
+        tokens[:1],
+        scores[:1],
+        parents[:1],
+        6,
+        options,
+        live_recall=live,
         host_eps=True,
     ).selected
     assert int((small >= 0).sum()) == 0

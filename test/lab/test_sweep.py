@@ -48,20 +48,20 @@ def test_testbed_expert_weight():
     same = dataclasses.replace(QWEN3, num_experts=64, top_k=8)
     for union, batch in [(8.0, 1), (30.0, 4), (60.0, 64)]:
         assert sweep_plan.testbed_expert_weight(
-            union, batch, 4, num_experts=64, top_k=8, profile=same
+            union, batch, num_experts=64, top_k=8, profile=same
         ) == pytest.approx(1.0)
     # The testbed (64 experts) saturates before Qwen3 (128): later testbed experts stand for
     # more of Qwen3's.
     weights = [
-        sweep_plan.testbed_expert_weight(u, 64, 4, num_experts=64, top_k=8, profile=QWEN3)
+        sweep_plan.testbed_expert_weight(u, 64, num_experts=64, top_k=8, profile=QWEN3)
         for u in (8.0, 30.0, 50.0)
     ]
     assert weights == sorted(weights) and weights[-1] > 2 * weights[0]
     # The roots' effective tokens never exceed the batch: a union wider than uniform
     # routing at batch 1 is treated as batch 1.
     assert sweep_plan.testbed_expert_weight(
-        30.0, 1, 4, num_experts=64, top_k=8, profile=QWEN3
-    ) == sweep_plan.testbed_expert_weight(8.0, 1, 4, num_experts=64, top_k=8, profile=QWEN3)
+        30.0, 1, num_experts=64, top_k=8, profile=QWEN3
+    ) == sweep_plan.testbed_expert_weight(8.0, 1, num_experts=64, top_k=8, profile=QWEN3)
 
 
 def test_selection_configs_follow_the_cost_model():
@@ -74,7 +74,7 @@ def test_selection_configs_follow_the_cost_model():
     adaptive = configs["adaptive"]
     assert adaptive["eps"] == cost.eps and adaptive["step_cost"] == cost.step_cost
     assert adaptive["step_tokens"] == cost.step_tokens == 1.0
-    weight = sweep_plan.testbed_expert_weight(6.0, 32, 4, num_experts=16, top_k=2, profile=QWEN3)
+    weight = sweep_plan.testbed_expert_weight(6.0, 32, num_experts=16, top_k=2, profile=QWEN3)
     assert adaptive["layer_weights"] == pytest.approx((94 / 2 * weight,) * 2)
     assert configs["ecospec"]["eps"] == cost.eps
     assert configs["evict"]["evict_seconds"] == peers.evict_step_seconds(perf, 32, 4, 3)
@@ -457,6 +457,7 @@ def test_paired_sweep_on_the_engine(tiny_models, tmp_path):
             "experts_per_layer_step",
             "busiest_rank_experts_ep4",
             "draft_score",
+            "accepted",
         }
         # The run's own sets are the ones it verified (the tiny target routes the whole
         # tree as it routes the verify rows).

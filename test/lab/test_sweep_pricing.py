@@ -4,6 +4,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 from test_sweep import step_from_ids
 
 from sgl_ecospec.costmodel import expected_unique_experts
@@ -115,3 +116,60 @@ def test_predicted_speedup_stderr_grows_with_uneven_acceptance():
     b = ep_cost.predicted_speedup(even, priced, ar, priced_ar, perf, num_draft_steps=3)
     assert a["speedup"] == pytest.approx(b["speedup"])  # same tokens in total
     assert a["speedup_stderr"] > 0.1 * a["speedup"] and b["speedup_stderr"] < 1e-12
+
+
+def test_paired_speedup_prices_both_sets_as_a_run():
+    """Each set of a paired step is priced as ``predicted_speedup`` prices a run: with the
+    compared set equal to the run's the two agree and differ by 0; a compared set that
+    accepts less on the same passes is slower by the tokens it loses, with a standard error
+    from how unevenly it loses them."""
+    perf = performance_model("qwen3-235b-a22b", "8xh200")
+    kw = {"num_experts": 16, "top_k": 2}
+    ar = _uniform_steps(5, 2, 1, 16, 2)
+    run = [
+        dataclasses.replace(s, accepted=[a, 1])
+        for s, a in zip(_uniform_steps(6, 2, 3, 16, 2), [0, 2, 1, 2, 0, 2], strict=True)
+    ]
+
+    def paired(steps, against_accepted):
+        return [
+            dataclasses.replace(
+                s,
+                paired_bitmaps=torch.stack([s.expert_bitmap] * 2),
+                paired_accepted=[sum(s.accepted), a],
+                paired_verified=[s.verified_tokens] * 2,
+            )
+            for s, a in zip(steps, against_accepted, strict=True)
+        ]
+
+    for ep_size in (1, 4):
+        priced = ep_cost.price_steps(run, perf, **kw, ep_size=ep_size)
+        priced_ar = ep_cost.price_steps(ar, perf, **kw, ep_size=ep_size)
+        alone = ep_cost.predicted_speedup(run, priced, ar, priced_ar, perf, num_draft_steps=3)
+        same = ep_cost.paired_speedup(
+            paired(run, [sum(s.accepted) for s in run]),
+            ar,
+            priced_ar,
+            perf,
+            **kw,
+            ep_size=ep_size,
+            num_draft_steps=3,
+        )
+        assert same["run"] == pytest.approx(alone["speedup"])
+        assert same["against"] == pytest.approx(alone["speedup"])
+        assert same["difference"] == 0.0 and same["stderr"] == pytest.approx(0.0, abs=1e-12)
+        fewer = ep_cost.paired_speedup(
+            paired(
+                run, [sum(s.accepted) - d for s, d in zip(run, [1, 0, 1, 2, 0, 2], strict=True)]
+            ),
+            ar,
+            priced_ar,
+            perf,
+            **kw,
+            ep_size=ep_size,
+            num_draft_steps=3,
+        )
+        seconds = priced.seconds.sum() + 6 * (3 * perf.draft_time(2) + perf.reject_time(2))
+        ar_rate = sum(s.verified_tokens for s in ar) / priced_ar.seconds.sum()
+        assert fewer["difference"] == pytest.approx(6 / seconds / ar_rate)
+        assert fewer["stderr"] > 0

@@ -89,19 +89,62 @@ def test_checks_report_failures():
     ep = checks["ecospec_ep_lowers_busiest_rank_paired"]
     assert [d["passed"] for d in ep["detail"]] == [True, False] and ep["passed"] is False
     assert ep["detail"][1]["noise"] == pytest.approx(0.3)
+    assert checks["adaptive_above_evict_paired"]["passed"] is None  # no evict, no --paired
+
+
+def test_adaptive_above_evict_paired_by_hand():
+    def row(batch, policy, speedup, paired=None, speculates=True):
+        row = {"batch_size": batch, "policy": policy, "profile": "p", "ep_size": 1}
+        row |= {"speedup": speedup, "speedup_stderr": 0.01, "speculates": speculates}
+        if paired is not None:
+            difference, stderr = paired
+            row["paired_speedup"] = {"against": "evict", "difference": difference}
+            row["paired_speedup"] |= {"stderr": stderr, "run": speedup}
+        return row
+
+    rep = {
+        "config": {
+            "batch_sizes": [1, 2, 4, 16],
+            "profiles": ["p"],
+            "ep_sizes": [1],
+            "policies": ["adaptive", "evict"],
+            "paired": True,
+        },
+        "rows": [
+            row(1, "adaptive", 1.10, (0.02, 0.005)),  # above by 4 standard errors
+            row(1, "evict", 1.08),
+            row(2, "adaptive", 1.05, (0.01, 0.01)),  # above by one: within the noise
+            row(2, "evict", 1.04),
+            row(4, "adaptive", 1.0, speculates=False),  # gate closed where evict loses too
+            row(4, "evict", 0.97),
+            row(16, "adaptive", 0.9, (-0.1, 0.01)),  # outside the batch 1-8 bar
+            row(16, "evict", 1.0),
+        ],
+        "runs": [],
+    }
+    check = sweep_report.checks(rep)["adaptive_above_evict_paired"]
+    assert [d["batch_size"] for d in check["detail"]] == [1, 2, 4]
+    assert [d["passed"] for d in check["detail"]] == [True, False, True]
+    assert check["passed"] is False and check["detail"][1]["noise"] == pytest.approx(0.02)
+    rep["rows"][5]["speedup"] = 1.01  # evict pays where adaptive's gate closed
+    assert sweep_report.checks(rep)["adaptive_above_evict_paired"]["detail"][2]["passed"] is False
 
 
 def test_paired_summary_by_hand():
     # Two steps on 8 experts, 2 EP ranks (experts 0-3 | 4-7), one layer.
-    def step(own, other, scores):
+    def step(own, other, scores, accepted=(1, 1)):
         bitmaps = torch.stack([topk_to_bitmap(torch.tensor([ids]), 8) for ids in (own, other)])
         return dataclasses.replace(
-            step_from_ids(1, 3, [0], [own], 8), paired_bitmaps=bitmaps, paired_scores=scores
+            step_from_ids(1, 3, [0], [own], 8),
+            paired_bitmaps=bitmaps,
+            paired_scores=scores,
+            paired_accepted=list(accepted),
+            paired_verified=[3, 3],
         )
 
     steps = [
-        step([0, 1, 4], [0, 1, 2, 3], [0.5, 0.75]),  # union 3 vs 4; busiest 2 vs 4
-        step([0, 4, 5], [0, 1, 4], [1.0, 1.0]),  # union 3 vs 3; busiest 2 vs 2
+        step([0, 1, 4], [0, 1, 2, 3], [0.5, 0.75], (1, 2)),  # union 3 vs 4; busiest 2 vs 4
+        step([0, 4, 5], [0, 1, 4], [1.0, 1.0], (2, 2)),  # union 3 vs 3; busiest 2 vs 2
     ]
     summary = sweep_run.paired_summary(steps, {"num_experts": 8}, [1, 2])
     assert summary["steps"] == 2 and summary["steps_differ"] == 1.0
@@ -115,6 +158,7 @@ def test_paired_summary_by_hand():
     assert (busiest["run"], busiest["against"], busiest["difference"]) == (2.0, 3.0, -1.0)
     assert busiest["stderr"] == pytest.approx(1.0)
     assert summary["draft_score"]["difference"] == pytest.approx(-0.125)
+    assert summary["accepted"]["difference"] == pytest.approx(-0.5)
     assert "busiest_rank_experts_ep1" not in summary
     same = [step([0, 1, 4], [0, 1, 4], [0.5, 0.5]), step([0, 4, 5], [0, 1, 4], [1.0, 1.0])]
     assert sweep_run.paired_summary(same, {"num_experts": 8}, [1])["steps_differ"] == 0.5

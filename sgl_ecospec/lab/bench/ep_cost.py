@@ -138,6 +138,23 @@ def price_steps(
     unique = np.asarray([s.unique_experts for s in steps], dtype=np.float64)  # [S, L]
     tokens = np.asarray([s.verified_tokens for s in steps], dtype=np.float64)  # [S]
     busiest = busiest_rank_experts(steps, num_experts, ep_size) if ep_size > 1 else unique
+    return price_passes(
+        unique, busiest, tokens, perf, num_experts=num_experts, top_k=top_k, ep_size=ep_size
+    )
+
+
+def price_passes(
+    unique: np.ndarray,
+    busiest: np.ndarray,
+    tokens: np.ndarray,
+    perf: PerformanceModel,
+    *,
+    num_experts: int,
+    top_k: int,
+    ep_size: int,
+) -> PricedSteps:
+    """:func:`price_steps` on arrays: testbed unions ``unique`` and busiest ranks
+    ``busiest`` float64 ``[S, L]`` of passes of ``tokens`` float64 ``[S]`` tokens."""
     scaled = np.asarray(
         scale_unique_experts(
             unique, num_experts=num_experts, top_k=top_k, profile=perf.model, tokens=tokens[:, None]
@@ -189,4 +206,56 @@ def predicted_speedup(
         "ar_ms": 1e3 * float(ar.seconds.mean()),
         "speedup": float(rate / ar_rate),
         "speedup_stderr": float(stderr / ar_rate),
+    }
+
+
+def paired_speedup(
+    steps: Sequence,
+    ar_steps: Sequence,
+    ar: PricedSteps,
+    perf: PerformanceModel,
+    *,
+    num_experts: int,
+    top_k: int,
+    ep_size: int,
+    num_draft_steps: int,
+) -> dict:
+    """The predicted speedups of a run's verify sets and of the compared selection's on the
+    same trees (steps with ``paired_bitmaps``, ``paired_accepted``, ``paired_verified``),
+    each priced as :func:`predicted_speedup` prices a run, and their paired difference.
+
+    The difference of the two token rates R_j = sum g_j / sum t_j (g generated tokens, t
+    seconds per step) gets the standard error of its linearisation over steps (steps taken
+    as independent): the residuals (g_0 - R_0 t_0) / sum t_0 - (g_1 - R_1 t_1) / sum t_1.
+
+    Returns:
+        ``run``, ``against`` (the two speedups over no speculation), ``difference`` and
+        ``stderr``.
+    """
+    bitmaps = torch.stack([s.paired_bitmaps for s in steps])  # [S, 2, L, W]
+    batch = np.asarray([s.batch_size for s in steps], dtype=np.float64)
+    overhead = num_draft_steps * np.asarray(perf.draft_time(batch), dtype=np.float64)
+    overhead = overhead + np.asarray(perf.reject_time(batch), dtype=np.float64)
+    ar_rate = sum(s.verified_tokens for s in ar_steps) / float(ar.seconds.sum())
+    rates, residuals = [], []
+    for j in range(2):
+        unique = busiest_rank_loads(bitmaps[:, j], num_experts, 1)  # [S, L]
+        busiest = busiest_rank_loads(bitmaps[:, j], num_experts, ep_size)
+        tokens = np.asarray([s.paired_verified[j] for s in steps], dtype=np.float64)
+        priced = price_passes(
+            unique, busiest, tokens, perf, num_experts=num_experts, top_k=top_k, ep_size=ep_size
+        )
+        seconds = priced.seconds + overhead
+        generated = batch + np.asarray([s.paired_accepted[j] for s in steps], dtype=np.float64)
+        rate = generated.sum() / seconds.sum()
+        rates.append(rate)
+        residuals.append((generated - rate * seconds) / seconds.sum())
+    n = len(steps)
+    diff = residuals[0] - residuals[1]
+    stderr = float(np.sqrt((diff**2).sum() * n / (n - 1))) if n > 1 else 0.0
+    return {
+        "run": float(rates[0] / ar_rate),
+        "against": float(rates[1] / ar_rate),
+        "difference": float((rates[0] - rates[1]) / ar_rate),
+        "stderr": stderr / ar_rate,
     }

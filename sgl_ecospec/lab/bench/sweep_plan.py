@@ -23,7 +23,7 @@ __all__ = [
 ]
 
 # With --paired: the policy each run's steps also score (the one it is measured against).
-PAIRED_AGAINST = {"ecospec": "confidence", "ecospec-ep": "ecospec"}
+PAIRED_AGAINST = {"ecospec": "confidence", "ecospec-ep": "ecospec", "adaptive": "evict"}
 
 
 def prompts_per_batch_size(batch: int, num_prompts: int) -> int:
@@ -37,25 +37,27 @@ def ep_hardware(hardware: str, ep_size: int) -> str:
 
 
 def testbed_expert_weight(
-    root_union: float, batch: int, budget: int, *, num_experts: int, top_k: int, profile
+    root_union: float, batch: int, *, num_experts: int, top_k: int, profile
 ) -> float:
-    """Profile experts one testbed expert stands for, over a selection's range.
+    """Profile experts one testbed expert stands for where selection prices its first
+    candidates.
 
     The secant of the effective-token scaling between the roots' union (t0 effective
-    tokens, from ``root_union``, at most ``batch``) and a full verify pass of the same
-    redundancy (t1 = (budget + 1) t0):
-    (N_p(t1) - N_p(t0)) / (N_t(t1) - N_t(t0)). 1 when the profile has the testbed's shape.
+    tokens, from ``root_union``, at most ``batch``) and one more token per root
+    (t1 = 2 t0): (N_p(t1) - N_p(t0)) / (N_t(t1) - N_t(t0)). The testbed saturates sooner
+    than a larger profile, so the ratio grows with the tokens; a secant over a whole
+    verify pass overprices the first candidates (by about half at batch 4 on Qwen3), which
+    are the ones a size-choosing rule weighs. 1 when the profile has the testbed's shape.
 
     Args:
         root_union: the testbed's distinct experts per layer of a greedy step at ``batch``
             (in [K_t, E_t]).
         batch: B (>= 1), requests in the step.
-        budget: candidates verified per request.
         num_experts, top_k: E_t, K_t.
         profile: the model profile (``num_experts``, ``top_k``).
     """
     t0 = min(float(effective_tokens(root_union, num_experts, top_k)), float(batch))
-    t = np.array([t0, (budget + 1) * t0])
+    t = np.array([t0, 2 * t0])
     testbed = np.asarray(formulas.expected_unique_experts(t, num_experts, top_k))
     scaled = np.asarray(formulas.expected_unique_experts(t, profile.num_experts, profile.top_k))
     # A testbed saturated at the roots adds no experts (DeltaCost 0), so any weight does.
@@ -82,7 +84,6 @@ def selection_configs(cfg: SweepConfig, batch: int, root_union: float, testbed: 
     weight = testbed_expert_weight(
         root_union,
         batch,
-        budget,
         num_experts=testbed["num_experts"],
         top_k=testbed["top_k"],
         profile=perf.model,

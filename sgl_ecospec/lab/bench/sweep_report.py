@@ -98,6 +98,12 @@ def checks(rep: dict) -> dict:
       (``--paired`` runs only): the same two comparisons made on the same trees, each
       passed where the mean paired difference is below zero by more than twice its
       standard error.
+    - ``adaptive_above_evict_paired`` (``--paired`` runs with adaptive and evict): at batch
+      sizes 1-8, adaptive's verify sets against evict's cut of confidence's on the same
+      trees, both priced with the acceptance they get from one pass over the whole tree
+      (``ep_cost.paired_speedup``); passed where adaptive's speedup is above evict's by more
+      than twice the paired standard error, or, where adaptive's gate closed, where evict
+      too is predicted no faster than no speculation.
 
     Each is ``{"passed": bool | None (not evaluated), "detail": [...]}``.
     """
@@ -200,6 +206,22 @@ def checks(rep: dict) -> dict:
                     | {"relative": diff / paired["against"], "passed": diff < -noise}
                 )
         verdict(name, {policy}, detail)
+
+    detail = []
+    if {"adaptive", "evict"} <= policies and cfg.get("paired"):
+        for b, p, r in (k for k in keys if k[0] in SMALL_BATCHES):
+            ours, evict = rows[b, "adaptive", p, r], rows[b, "evict", p, r]
+            entry = {"batch_size": b, "profile": p, "ep_size": r}
+            if ours["speculates"]:
+                paired = ours["paired_speedup"]
+                noise = 2 * paired["stderr"]
+                entry |= {"difference": paired["difference"], "noise": noise}
+                entry["passed"] = paired["difference"] > noise
+            else:
+                entry |= {"gate_closed": True, "evict_speedup": evict["speedup"]}
+                entry["passed"] = evict["speedup"] <= 1.0
+            detail.append(entry)
+    verdict("adaptive_above_evict_paired", {"adaptive", "evict"}, detail)
     return result
 
 
@@ -281,14 +303,18 @@ def format_tables(rep: dict) -> str:
             "# paired on the same trees: run minus the compared policy's set, mean +- stderr",
             "batch policy     against    experts diff      +-  "
             + " ".join(f"busy@EP{r} diff     +-" for r in ranks)
-            + "  draft score diff  differ",
+            + "  draft score diff  accepted diff  differ",
         ]
         for e in paired:
             p = e["paired"]
             cells = [f"{e['batch_size']:5d} {e['policy']:<10} {p['against']:<10}"]
             for name in ["experts_per_layer_step"] + [f"busiest_rank_experts_ep{r}" for r in ranks]:
                 cells.append(f"{p[name]['difference']:+12.3f} {p[name]['stderr']:6.3f}")
-            cells.append(f"{p['draft_score']['difference']:+17.3f} {p['steps_differ']:8.2f}")
+            accepted = p.get("accepted", {}).get("difference")
+            cells.append(
+                f"{p['draft_score']['difference']:+17.3f} {_fmt(accepted, '+14.3f')} "
+                f"{p['steps_differ']:7.2f}"
+            )
             lines.append(" ".join(cells))
     for profile in cfg["profiles"]:
         for r in cfg["ep_sizes"]:
@@ -307,6 +333,7 @@ def format_tables(rep: dict) -> str:
                     f"{row['experts_per_layer_step_scaled']:9.2f} "
                     f"{row['busiest_rank_experts_scaled']:9.2f} {row['step_ms']:8.3f} "
                     f"{row['ar_ms']:8.3f} {row['speedup']:7.3f} {row['speedup_stderr']:5.3f}"
+                    + _paired_speedup_cell(row)
                 )
     lines += ["", "# bars"]
     for name, check in rep["checks"].items():
@@ -314,6 +341,14 @@ def format_tables(rep: dict) -> str:
         lines.append(f"{name}: {verdict}")
         lines += [f"  {_detail(d)}" for d in check["detail"] if not d["passed"]]
     return "\n".join(lines)
+
+
+def _paired_speedup_cell(row: dict) -> str:
+    """``  paired vs <policy>: d +- se`` for a row priced on the same trees (empty else)."""
+    paired = row.get("paired_speedup")
+    if paired is None:
+        return ""
+    return f"  paired vs {paired['against']}: {paired['difference']:+.3f} +- {paired['stderr']:.3f}"
 
 
 def _detail(d: dict) -> str:

@@ -43,8 +43,9 @@ def paired_summary(steps, testbed: dict, ep_sizes) -> dict:
 
     Per step, each quantity is the run's set minus the compared set on the same tree:
     distinct experts per layer (mean over layers), busiest-rank experts per layer at each
-    EP size > 1 (contiguous placement), and summed cumulative draft probability (the
-    draft's estimate of accepted tokens). Reported as the means of both, the mean
+    EP size > 1 (contiguous placement), summed cumulative draft probability (the draft's
+    estimate of accepted tokens) and accepted draft tokens (both sets read from the same
+    pass over the whole tree). Reported as the means of both, the mean
     difference and its standard error (steps taken as independent), and the share of
     steps whose two unions differ at all (``steps_differ``).
 
@@ -63,6 +64,7 @@ def paired_summary(steps, testbed: dict, ep_sizes) -> dict:
             busiest = ep_cost.busiest_rank_loads(bitmaps, experts, r)  # [S, 2, L]
             values[f"busiest_rank_experts_ep{r}"] = busiest.mean(-1)
     values["draft_score"] = np.asarray([s.paired_scores for s in steps], dtype=np.float64)
+    values["accepted"] = np.asarray([s.paired_accepted for s in steps], dtype=np.float64)
     differ = (bitmaps[:, 0] != bitmaps[:, 1]).flatten(1).any(1)
     summary = {"steps": len(steps), "steps_differ": float(differ.double().mean())}
     for name, pair in values.items():  # pair: [S, 2]
@@ -258,9 +260,21 @@ def run_batch(cfg: SweepConfig, engine, batch: int, groups, prompts, perfs, prog
 
     def price(entry, spec_steps, key):
         priced = ep_cost.price_steps(spec_steps, perfs[key], **shape, ep_size=key[1])
-        return speculation_row(
+        row = speculation_row(
             entry, priced, spec_steps, greedy_steps, ar[key], perfs[key], cfg.steps
         )
+        if "paired" in entry:  # both sets on the same trees, priced alike
+            paired = ep_cost.paired_speedup(
+                spec_steps,
+                greedy_steps,
+                ar[key],
+                perfs[key],
+                **shape,
+                ep_size=key[1],
+                num_draft_steps=cfg.steps,
+            )
+            row["paired_speedup"] = {"against": entry["paired"]["against"], **paired}
+        return row
 
     def no_speculation(key):
         return no_speculation_row(greedy_entry, ar[key])

@@ -36,6 +36,7 @@ Shape legend: B = requests, P = longest prompt, T = verify rows, N = candidates,
 layers, K = experts per token, W = bitmap words per layer.
 """
 
+import dataclasses
 import os
 from collections.abc import Callable
 
@@ -59,7 +60,13 @@ from sgl_ecospec.lab.engine.predictor_inputs import (
 from sgl_ecospec.lab.engine.requests import Requests
 from sgl_ecospec.lab.engine.stats import GreedyResult, SpecResult, StepStats, union_bitmap
 from sgl_ecospec.lab.engine.target import TargetModel
-from sgl_ecospec.lab.engine.tree import DraftTree, build_verify_tree, greedy_accept
+from sgl_ecospec.lab.engine.tree import (
+    DraftTree,
+    VerifyTree,
+    accepted_within,
+    build_verify_tree,
+    greedy_accept,
+)
 from sgl_ecospec.ops.bitmaps import bitmap_popcount
 from sgl_ecospec.predictors import ExpertPredictor, LiveRecall, OnlineExpertPredictor, topk_recall
 from sgl_ecospec.step import (
@@ -180,8 +187,9 @@ class OfflineEngine:
                 cost of one extra target forward over the whole tree per step).
             progress: called with each step's :class:`StepStats` as it completes.
             compare: a second selection, scored on every step's tree and predictions but
-                not verified; each step then records ``paired_bitmaps`` and
-                ``paired_scores`` (one extra target forward over the whole tree per step,
+                not verified (``evict``'s cut applied); each step then records
+                ``paired_bitmaps``, ``paired_scores``, ``paired_accepted`` and
+                ``paired_verified`` (one extra target forward over the whole tree per step,
                 shared with the oracle's). Its tree growth (topk, num_steps,
                 tree_attention) must be ``spec``'s.
             calibrator: the acceptance calibrator (used and updated in place, so it can
@@ -238,7 +246,7 @@ class OfflineEngine:
         drafter: Drafter,
         cache: BatchKVCache,
         roots: torch.Tensor,
-        paired: tuple[int, dict] | None,
+        paired: tuple[SpecConfig, tuple] | None,
         calibrator: AcceptanceCalibrator,
         root_context: torch.Tensor | None = None,
     ) -> tuple[StepStats, torch.Tensor, list[list[int]]]:
@@ -248,7 +256,7 @@ class OfflineEngine:
             selection: the keyword arguments of ``select_verify_set`` that come from
                 ``spec`` (``_selection_arguments``).
             roots: int64 ``[B]``: each request's last verified token (not yet in the cache).
-            paired: (budget, selection keywords) of the compared selection, or None.
+            paired: (config, selection keywords) of the compared selection, or None.
             calibrator: the acceptance calibrator; learns from this step's verify result.
             root_context: int64 ``[B]``: the token before each root (for predictors that
                 read context), or None (unknown).
@@ -266,7 +274,7 @@ class OfflineEngine:
             hidden = torch.cat([drafter.root_hidden[:, None], tree.hidden], 1)
         truth = None  # [B, 1 + N, L, K]: the target's routing of the whole tree
         if paired is not None or isinstance(predictor, OracleExpertPredictor):
-            truth = self._tree_routing(roots, tree, cache)
+            truth, whole, whole_predictions = self._whole_tree(roots, tree, cache)
         if isinstance(predictor, OracleExpertPredictor):
             predictor.prime(tokens.flatten(), truth.flatten(0, 1))
         options, extra = selection
@@ -321,12 +329,20 @@ class OfflineEngine:
             routing, self.num_experts, accepted=(counts - 1).tolist(), recall=recall, **predicted
         )
         if paired is not None:
-            budget, (options, extra) = paired
-            other = chosen.reselect(budget, options, **extra)
+            compare, (options, extra) = paired
+            other = chosen.reselect(compare.budget, options, **extra)
+            if compare.policy == EVICT:
+                cut = evict_step(dataclasses.replace(chosen, selected=other), compare.evict_seconds)
+                other = cut.selected
+            sets = (selected, other)
             step.paired_bitmaps = torch.stack(
-                [_selection_union(truth, s, self.num_experts) for s in (selected, other)]
+                [_selection_union(truth, s, self.num_experts) for s in sets]
             ).cpu()
-            step.paired_scores = [_selected_score(tree.scores, s) for s in (selected, other)]
+            step.paired_scores = [_selected_score(tree.scores, s) for s in sets]
+            step.paired_accepted = [
+                int(accepted_within(whole, whole_predictions, s).sum()) for s in sets
+            ]
+            step.paired_verified = [int((s >= 0).sum()) + s.shape[0] for s in sets]
         new_tokens = [row[:n] for row, n in zip(emitted.tolist(), counts.tolist(), strict=True)]
         return step, emitted[batch[:, 0], counts - 1], new_tokens
 
@@ -356,9 +372,9 @@ class OfflineEngine:
             extra["placement"] = Placement(ranks, spec.num_ranks)
         return spec.selection_options, extra
 
-    def _paired_arguments(self, spec: SpecConfig, compare: SpecConfig) -> tuple[int, tuple]:
-        """(budget, ``_selection_arguments``) of ``compare``, whose tree must be
-        ``spec``'s (both selections read the same tree)."""
+    def _paired_arguments(self, spec: SpecConfig, compare: SpecConfig) -> tuple[SpecConfig, tuple]:
+        """(``compare``, its ``_selection_arguments``); its tree must be ``spec``'s (both
+        selections read the same tree)."""
         if not isinstance(compare, SpecConfig):
             raise TypeError(f"compare must be a SpecConfig, got {type(compare).__name__}")
         fields = ("topk", "num_steps", "tree_attention")
@@ -367,7 +383,7 @@ class OfflineEngine:
                 "compare must grow the same tree as spec: "
                 + ", ".join(f"{f} {getattr(compare, f)!r} vs {getattr(spec, f)!r}" for f in fields)
             )
-        return compare.budget, self._selection_arguments(compare)
+        return compare, self._selection_arguments(compare)
 
     def _prefill(self, prompts: list[list[int]]):
         """Runs the prompts; returns the cache (holding them), the first generated token
@@ -389,19 +405,20 @@ class OfflineEngine:
         width = max(len(p) for p in prompts)
         return torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=self.device)
 
-    def _tree_routing(
+    def _whole_tree(
         self, roots: torch.Tensor, tree: DraftTree, cache: BatchKVCache
-    ) -> torch.Tensor:
-        """The target's routing ``[B, 1 + N, L, K]`` of every root and candidate, from one
-        forward over the whole tree (each row sees the prefix and its ancestors, as in any
-        verify pass); the cache keeps nothing of it."""
+    ) -> tuple[torch.Tensor, VerifyTree, torch.Tensor]:
+        """One forward over the whole tree (each row sees the prefix and its ancestors, as in
+        any verify pass; the cache keeps nothing of it): the target's routing
+        ``[B, 1 + N, L, K]`` of every root and candidate, the tree's rows and the target's
+        argmax ``[B, 1 + N]`` at each row (what any subset's acceptance reads)."""
         everything = torch.arange(tree.tokens.shape[1], device=self.device)
         whole = build_verify_tree(roots, tree, everything.expand(roots.shape[0], -1))
         out = self.target.forward(
             whole.tokens, cache.lengths[:, None] + whole.depth, cache, whole.mask
         )
         cache.commit(cache.lengths.new_empty(roots.shape[0], 0))
-        return out.routing
+        return out.routing, whole, out.logits.argmax(-1)
 
     def _resolve_predictor(self, predictor: ExpertPredictor | str) -> ExpertPredictor:
         shape = (self.num_layers, self.num_experts, self.top_k)

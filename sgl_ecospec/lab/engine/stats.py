@@ -33,6 +33,10 @@ class StepStats:
             the same tree, both from one target pass over the whole tree.
         paired_scores: with ``paired_bitmaps``: the two sets' summed cumulative draft
             probabilities (the draft's estimate of the accepted tokens each can yield).
+        paired_accepted: with ``paired_bitmaps``: the two sets' accepted draft tokens,
+            summed over the batch, from the same pass (``tree.accepted_within``).
+        paired_verified: with ``paired_bitmaps``: the two sets' verified tokens (roots and
+            candidates), summed over the batch.
         predicted_accepted: per request, the draft tokens its verify set was expected to
             get accepted under the calibrated acceptance probabilities, as they stood before
             this step's result was learnt (``sgl_ecospec.acceptance``); None when not
@@ -49,6 +53,8 @@ class StepStats:
     expert_bitmap: torch.Tensor | None = None
     paired_bitmaps: torch.Tensor | None = None
     paired_scores: list[float] | None = None
+    paired_accepted: list[int] | None = None
+    paired_verified: list[int] | None = None
     predicted_accepted: list[float] | None = None
     predicted_accepted_raw: list[float] | None = None
 

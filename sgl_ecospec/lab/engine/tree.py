@@ -172,3 +172,25 @@ def greedy_accept(verify: VerifyTree, predictions: torch.Tensor) -> torch.Tensor
         path.append(torch.where(found, current, -1))
         alive = found
     return torch.stack(path, 1)
+
+
+def accepted_within(whole: VerifyTree, predictions: torch.Tensor, selected: torch.Tensor):
+    """Draft tokens each request would get accepted verifying only ``selected``, read from
+    one pass over the whole tree: greedy acceptance never looks outside the verified set,
+    and every row sees the same prefix and ancestors in either pass.
+
+    Args:
+        whole: the verify tree of every candidate (``build_verify_tree`` with all of them,
+            row 1 + i = candidate i).
+        predictions: int64 ``[B, 1 + N]``: the target's argmax at each row of ``whole``.
+        selected: int64 ``[B, S]``: candidate indices, -1 padded.
+
+    Returns:
+        int64 ``[B]``.
+    """
+    kept = torch.zeros_like(whole.valid)
+    kept[:, 0] = True
+    columns = torch.where(selected >= 0, selected + 1, 0)
+    kept.scatter_(1, columns, True)
+    path = greedy_accept(whole._replace(valid=whole.valid & kept), predictions)
+    return (path >= 0).sum(1) - 1
