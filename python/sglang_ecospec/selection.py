@@ -77,6 +77,7 @@ import logging
 
 import torch
 
+from sgl_ecospec.ops.bitmaps import num_words
 from sgl_ecospec.ops.selection import SelectionOptions
 from sgl_ecospec.predictors import ExpertPredictor, LiveRecall
 from sgl_ecospec.step import batch_index, fill_unused_slots, select_step, verify_rows
@@ -254,14 +255,36 @@ class EcoSpecSelector:
             self.verify_context = torch.full(
                 (max_batch * num_draft_tokens,), -1, dtype=torch.int64, device=device
             )
-        # The predictor's live recall, which the runtime updates after each verify.
+        # The predictor's live recall, which the runtime updates after each verify, and the
+        # buffer each request's selection started from (its missed rate is measured on it).
         self.live_recall = None
+        self.start_buffer = None  # int64 [Bmax, L, W]
         if settings.recall_weighted_cost:
             self.live_recall = LiveRecall.of(predictor, device)
+            self.start_buffer = torch.zeros(
+                max_batch,
+                predictor.num_layers,
+                num_words(predictor.num_experts),
+                dtype=torch.int64,
+                device=device,
+            )
 
     @property
     def max_batch(self) -> int:
         return self.root_tokens.shape[0]
+
+    def candidate_rows(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last selection's ``count`` verify rows (``count // D`` requests x D) as the
+        missed rate reads them: each row's starting buffer int64 ``[count, L, W]`` and
+        whether it is a candidate bool ``[count]`` (not a root, not a copy of one)."""
+        per_request = self.num_draft_tokens
+        batch = count // per_request
+        buffer = self.start_buffer[:batch].repeat_interleave(per_request, 0)  # [count, L, W]
+        candidates = torch.ones(batch, per_request, dtype=torch.bool, device=buffer.device)
+        candidates[:, 0] = False
+        if self.copy_rows is not None:
+            candidates &= ~self.copy_rows[:batch]
+        return buffer, candidates.flatten()
 
     def eps_for(self, batch: int) -> float:
         """eps for a batch of ``batch`` requests (the setting, or its cost-model bucket)."""
@@ -412,6 +435,9 @@ class EcoSpecSelector:
                 rows = verify_rows(index)  # [B, D]
                 context = step.context[batch_index(rows), rows]  # [B, D]
                 self.verify_context[:verified].copy_(context.flatten())
+            if self.start_buffer is not None:
+                start = LiveRecall.start_buffer(step.bitmaps[:, 0], self.options.share_buffer)
+                self.start_buffer[:batch].copy_(start)
             copies = None
             if adaptive:  # for the tree hook and the routing check after the verify
                 copies = copy_rows(index)  # [B, D]

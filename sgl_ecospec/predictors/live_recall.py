@@ -17,17 +17,19 @@ class LiveRecall:
     a benchmark reports). :meth:`update` runs a fixed number of kernels and no host sync.
 
     Trust. With K predicted and K true experts per layer, a predicted expert is truly used
-    with probability r_l (the layer's recall) and an unpredicted one with (1 - r_l) K / (E - K).
-    A candidate's expected number of truly new experts in layer l is then
-    ``w_l * predicted_new_l + (1 - r_l) K free_l / (E - K)`` with
-    ``w_l = (r_l - K/E) / (1 - K/E)`` (0 at chance, 1 for a perfect predictor) and ``free_l``
-    the experts not yet in the buffer. :meth:`layer_weights` gives ``w_l``;
-    :meth:`unpredicted_cost` the second term summed over layers, a cost every candidate pays
-    alike, with ``free_l`` the free experts of the step's buffer when selection starts
-    (:meth:`buffer_free`: at batch 64 the roots alone fill most of a layer, and a missed
-    expert is then most likely loaded already) or ``E - K`` (a buffer holding one token's
-    experts). :meth:`weigh` applies both to a step's selection. The recall starts at
-    chance, so a cold predictor is trusted with nothing.
+    with probability r_l (the layer's recall). A candidate's expected number of truly new
+    experts in layer l is ``w_l * predicted_new_l + m_l free_l`` with
+    ``w_l = (r_l - K/E) / (1 - K/E)`` (0 at chance, 1 for a perfect predictor), ``free_l``
+    the experts not yet in the buffer and m_l the rate at which a free expert is one the
+    candidate truly uses but the predictor missed. Under uniform routing
+    m_l = (1 - r_l) K / (E - K); real routing favours popular experts, which a buffer holds
+    first, so m_l is measured (:meth:`update_missed`, on the verified candidates against
+    the buffer their selection started from), starting at chance, K / E.
+    :meth:`layer_weights` gives ``w_l``; :meth:`unpredicted_cost` the second term summed
+    over layers, a cost every candidate pays alike, with ``free_l`` the free experts of the
+    step's buffer when selection starts (:meth:`buffer_free`) or ``E - K`` (a buffer holding
+    one token's experts). :meth:`weigh` applies both to a step's selection. The recall
+    starts at chance, so a cold predictor is trusted with nothing.
 
     Args:
         num_layers: L.
@@ -54,6 +56,8 @@ class LiveRecall:
         self.rate = float(rate)
         self.chance = top_k / num_experts
         self.ema = torch.full((num_layers,), self.chance, dtype=torch.float32, device=device)
+        # m_l: missed new experts per free expert of a candidate's starting buffer [L]
+        self.missed_rate = torch.full_like(self.ema, self.chance)
         self.hits = torch.zeros(num_layers, dtype=torch.float64, device=device)  # [L]
         self.rows = torch.zeros((), dtype=torch.float64, device=device)
 
@@ -109,18 +113,64 @@ class LiveRecall:
         self, base: torch.Tensor | None = None, free: torch.Tensor | None = None
     ) -> torch.Tensor:
         """float32 scalar tensor: the expected new experts a candidate brings that the
-        predictor did not predict, ``sum_l base_l (1 - r_l) K free_l / (E - K)``, in expert
-        loads like DeltaCost; every candidate pays it alike, so it acts as eps.
+        predictor did not predict, ``sum_l base_l m_l free_l``, in expert loads like
+        DeltaCost; every candidate pays it alike, so it acts as eps.
 
         Args:
             base: float ``[L]`` or None (ones): the configured layer weights.
             free: float ``[L]`` or None (``E - K``): experts not yet in the buffer
                 (:meth:`buffer_free`).
         """
-        missed = (1.0 - self.ema.clamp_min(self.chance)) * self.top_k  # [L]
-        if free is not None:
-            missed = missed * free.to(missed) / max(self.num_experts - self.top_k, 1)
+        if free is None:
+            free = torch.full_like(self.missed_rate, float(self.num_experts - self.top_k))
+        missed = self.missed_rate * free.to(self.missed_rate)  # [L]
         return (missed if base is None else missed * base.to(missed)).sum()
+
+    def update_missed(
+        self,
+        predicted: torch.Tensor,
+        true: torch.Tensor,
+        buffer: torch.Tensor,
+        valid: torch.Tensor | None = None,
+    ) -> None:
+        """Adds one verify step's candidates to the missed rate m_l: per layer, the true
+        experts neither predicted nor in the buffer, over the experts free in the buffer
+        (ratio of the step's sums). No host sync.
+
+        Args:
+            predicted: int ``[T, L, K]``: the experts predicted for the verified candidates.
+            true: int ``[T, L, K']``: the experts the target routed them to.
+            buffer: int64 ``[T, L, W]``: the buffer each row's selection started from
+                (:meth:`start_buffer` of its request).
+            valid: bool ``[T]`` or None (all): rows that count (candidates, not roots,
+                copies or uncaptured rows).
+        """
+        device = self.missed_rate.device
+        pred = topk_to_bitmap(predicted.to(device), self.num_experts, validate=False)
+        real = topk_to_bitmap(true.to(device), self.num_experts, validate=False)
+        held = buffer.to(device)
+        novel = bitmap_popcount(real & ~(pred | held)).float()  # [T, L]
+        free = self.num_experts - bitmap_popcount(held).float()  # [T, L]
+        weight = torch.ones(novel.shape[0], device=device)
+        if valid is not None:
+            weight = valid.to(device, torch.float32)
+        summed_free = (free * weight[:, None]).sum(0)  # [L]
+        step_rate = (novel * weight[:, None]).sum(0) / summed_free.clamp_min(1.0)
+        counted = (summed_free > 0).float()
+        self.missed_rate += (self.rate * counted) * (step_rate - self.missed_rate)
+
+    @staticmethod
+    def start_buffer(root_experts: torch.Tensor, share_buffer: bool) -> torch.Tensor:
+        """int64 ``[B, L, W]``: the buffer each request's selection starts from: the union of
+        every root's experts ``root_experts`` int64 ``[B, L, W]`` with ``share_buffer`` (one
+        buffer for the batch), else its own root's."""
+        if not share_buffer:
+            return root_experts
+        bits = torch.arange(64, device=root_experts.device)
+        present = ((root_experts[..., None] >> bits) & 1).amax(0)  # [L, W, 64]
+        # Distinct powers of two: the int64 sum wraps into bit 63 exactly as an OR would.
+        union = (present << bits).sum(-1)  # [L, W]
+        return union.expand_as(root_experts)
 
     def buffer_free(
         self,
@@ -141,9 +191,7 @@ class LiveRecall:
         device = self.ema.device
         roots = root_experts.to(device)
         if share_buffer:
-            bits = torch.arange(64, device=device)
-            present = ((roots[..., None] >> bits) & 1).amax(0)  # [L, W, 64]: the union's bits
-            held = present.sum((1, 2)).float()  # [L]
+            held = bitmap_popcount(self.start_buffer(roots, True)[0]).float()  # [L]
         else:
             counts = bitmap_popcount(roots).float()  # [B, L]
             weight = torch.ones(counts.shape[0], device=device)

@@ -36,8 +36,29 @@ def verified_context(chosen: StepSelection, valid: torch.Tensor) -> dict:
 
 
 def record_recall(
-    predictor: ExpertPredictor, predicted: torch.Tensor, routing: torch.Tensor
+    predictor: ExpertPredictor,
+    chosen: StepSelection,
+    valid: torch.Tensor,
+    routing: torch.Tensor,
+    share_buffer: bool,
 ) -> None:
     """Adds a verify step to the predictor's :class:`LiveRecall` (attached on first use):
-    ``predicted`` and ``routing`` int ``[T, L, K]`` of the verified rows."""
-    LiveRecall.of(predictor, routing.device).update(predicted, routing)
+    the recall on every verified row, and the missed rate on the verified candidates
+    against the buffer their selection started from.
+
+    Args:
+        chosen: the step's selection (its ``verify_predicted`` ``[B, 1 + S, L, K]`` and the
+            roots' bitmaps).
+        valid: bool ``[B, 1 + S]``: the verified rows (root first).
+        routing: int ``[T, L, K]``: the target's routing of the verified rows, in
+            ``valid``'s order.
+        share_buffer: the step's buffer is the batch's (``SelectionOptions.share_buffer``).
+    """
+    live = LiveRecall.of(predictor, routing.device)
+    predicted = chosen.verify_predicted[valid]  # [T, L, K]
+    live.update(predicted, routing)
+    start = LiveRecall.start_buffer(chosen.bitmaps[:, 0], share_buffer)  # [B, L, W]
+    buffer = start[:, None].expand(-1, valid.shape[1], -1, -1)[valid]  # [T, L, W]
+    candidates = valid.clone()
+    candidates[:, 0] = False
+    live.update_missed(predicted, routing, buffer, candidates[valid])
