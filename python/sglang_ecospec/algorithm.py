@@ -15,7 +15,8 @@ the V2 worker path), and :class:`EcoSpecWorker` is SGLang's ``EAGLEWorkerV2`` pl
   ``TopK.forward``; :mod:`sglang_ecospec.hooks`) active in this
   process; under expert parallelism the expert -> EP rank placement from SGLang's expert
   location metadata (and the EPLB refresh hook), with ``eps=auto`` the cost model's eps
-  table;
+  table (with ``calibrate`` the served model calibrated on this device first:
+  :mod:`sglang_ecospec.startup_calibration`);
 - with the utility gate (setting ``gate``, :mod:`sglang_ecospec.gate`): SGLang's adaptive
   controller with two runtime states, the configured draft steps and plain decoding (0 steps),
   chosen per batch-size bucket before each decode step by measured utility, and each decode
@@ -196,8 +197,15 @@ def _make_worker_class():
             from sglang_ecospec.ep_placement import sglang_layout
             from sglang_ecospec.memory import Reservation
             from sglang_ecospec.runtime import EcoSpecRuntime
+            from sglang_ecospec.startup_calibration import ServedModel
 
             runner = self._target_worker.model_runner
+            device = torch.device(self.device)
+            served = None  # what the setting calibrate times
+            if self.ecospec_settings.calibrate:
+                served = ServedModel.from_server(
+                    self.server_args, runner.model_config.dtype, device
+                )
             self.ecospec = EcoSpecRuntime(
                 self.ecospec_settings,
                 runner.model_config.hf_config,
@@ -205,9 +213,10 @@ def _make_worker_class():
                 num_draft_tokens=self.speculative_num_draft_tokens,
                 num_steps=self.speculative_num_steps,
                 max_batch=max_batch,
-                device=torch.device(self.device),
+                device=device,
                 target_model=runner.model,
                 ep_layout=sglang_layout(),
+                served_model=served,
             )
             usage = self.ecospec.memory
             if reserve:

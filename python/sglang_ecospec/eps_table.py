@@ -13,9 +13,10 @@ has one expert cost for all of them, so ``selection_cost`` returns none (all one
 profile must describe the served model (checked).
 
 The cost model (:func:`cost_model`): a calibration profile file (``SGLANG_ECOSPEC_PROFILE=
-FILE`` from ``sgl-ecospec calibrate``: the served model timed on this device) when given;
-otherwise the roofline prior of a model profile on a hardware profile, the fallback. The log
-says which.
+FILE`` from ``sgl-ecospec calibrate``, or the one ``SGLANG_ECOSPEC_CALIBRATE=on`` made at
+startup: :mod:`sglang_ecospec.startup_calibration`; the served model timed on this device)
+when given; otherwise the roofline prior of a model profile on a hardware profile, the
+fallback. The log says which.
 """
 
 import bisect
@@ -121,8 +122,8 @@ def cost_model(profile: str, hardware: str | None) -> CostModel:
     model, gpus = get_model(profile), get_hardware(hardware)
     source = (
         f"prior (fallback; no calibrated profile): roofline analytic_params of {model.name} on "
-        f"{gpus.name}; `sgl-ecospec calibrate` and SGLANG_ECOSPEC_PROFILE=FILE fit it to this "
-        "device"
+        f"{gpus.name}; SGLANG_ECOSPEC_CALIBRATE=on, or `sgl-ecospec calibrate` and "
+        "SGLANG_ECOSPEC_PROFILE=FILE, fit it to this device"
     )
     return CostModel(
         PerformanceModel(model, gpus, analytic_params(model, gpus).params), False, source

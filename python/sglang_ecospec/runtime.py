@@ -7,7 +7,9 @@ verified before each request's root for the context predictors), the selector, t
 capture and its statistics, under expert parallelism the expert -> EP rank placement, with
 ``eps=auto`` the cost model's eps table, with more than one rank per batch the TP agreement
 (rank 0's verify set broadcast, the periodic predictor-state check:
-:mod:`sglang_ecospec.tp_agreement`); it activates the hooks that use them
+:mod:`sglang_ecospec.tp_agreement`); with ``eps=auto`` and ``calibrate`` the cost model is
+first calibrated on this device, or its cached profile reused
+(:mod:`sglang_ecospec.startup_calibration`); it activates the hooks that use them
 (:mod:`sglang_ecospec.hooks`) and is called before each decode step, around each verify, and
 after each decode batch's results (the "EcoSpec:" line).
 
@@ -44,15 +46,18 @@ class EcoSpecRuntime:
         num_steps: int | None = None,
         target_model=None,
         ep_layout=None,
+        served_model=None,
         tp_check_interval: int = tp_agreement.CHECK_INTERVAL,
     ):
         """Builds and activates everything; ``max_batch`` sizes the batch buffers,
         ``num_steps`` (S, draft steps; None: the fewest whose tree has ``num_draft_tokens``
         - 1 candidates) the per-step memory estimate (:attr:`memory`); ``ep_layout`` is
-        SGLang's EP state (``ep_placement.EPLayout``; None: no EP); the ranks sharing the
-        batch are read from SGLang's parallel state (``tp_agreement.selection_group``), their
-        predictor states compared every ``tp_check_interval`` verify steps. ValueError when
-        the settings do not fit the served model or its parallelism."""
+        SGLang's EP state (``ep_placement.EPLayout``; None: no EP); ``served_model`` what the
+        setting ``calibrate`` times (``startup_calibration.ServedModel``; needed with it); the
+        ranks sharing the batch are read from SGLang's parallel state
+        (``tp_agreement.selection_group``), their predictor states compared every
+        ``tp_check_interval`` verify steps. ValueError when the settings do not fit the served
+        model or its parallelism."""
         from sglang_ecospec import (
             ep_placement,
             eps_table,
@@ -78,11 +83,19 @@ class EcoSpecRuntime:
             num_steps = 1
             while memory.num_candidates(topk, num_steps) < num_draft_tokens - 1:
                 num_steps += 1
+        group = tp_agreement.selection_group()
         table = None
         if settings.eps_auto:
+            profile, hardware = settings.profile, settings.hardware
+            if settings.calibrate:
+                from sglang_ecospec import startup_calibration
+
+                if served_model is None:
+                    raise ValueError("calibrate needs the served model (served_model=)")
+                profile, hardware = startup_calibration.cost_profile(settings, served_model, group)
             table = eps_table.cost_model_eps_table(
-                settings.profile,
-                settings.hardware,
+                profile,
+                hardware,
                 moe_layers=len(layer_ids),
                 num_experts=num_experts,
                 top_k=top_k,
@@ -96,9 +109,7 @@ class EcoSpecRuntime:
         self.predictor = predictor
         self.placement = placement
         # None with one rank per batch: no broadcast, no check.
-        self.tp_sync = tp_agreement.TpAgreement.for_group(
-            tp_agreement.selection_group(), interval=tp_check_interval
-        )
+        self.tp_sync = tp_agreement.TpAgreement.for_group(group, interval=tp_check_interval)
         self.timer = metrics.PredictTimer(device)  # each draft step's prediction
         self.acceptance = None  # setting calibrated_acceptance: used by the selector
         if settings.calibrated_acceptance:

@@ -36,6 +36,13 @@ PREDICTORS = (*ONLINE_PREDICTORS, "head")
 # parent's experts for unseen tokens).
 VOCAB_PREDICTORS = ("vocab", "context", "adjacent")
 AUTO = "auto"  # eps from the cost model
+# The calibration grid's settings (read only with calibrate); the sizes first.
+CALIBRATION_GRID = (
+    "calibrate_batch_sizes",
+    "calibrate_tokens",
+    "calibrate_unique_experts",
+    "calibrate_repeats",
+)
 
 
 class EcoSpecSettingsError(ValueError):
@@ -62,7 +69,22 @@ class EcoSpecSettings:
             roofline prior, the fallback. Or ``profile`` is a calibration profile file
             (``sgl-ecospec calibrate --out FILE``: the served model timed on this device, the
             fitted model used as is; then no ``hardware``). Read only with eps "auto", and
-            then required.
+            then required unless ``calibrate`` is on (then optional: the fallback prior).
+        calibrate: with eps "auto", calibrate the served model on this process's device at
+            startup (:mod:`sglang_ecospec.startup_calibration`: ``sgl-ecospec calibrate`` in a
+            child process, one per node, its profile cached for the next start) and price
+            with the fit; a failed calibration is logged and the prior of ``profile`` and
+            ``hardware`` (model-profile names) is the fallback, without them the start
+            fails. Excludes a calibration profile file. On a GPU the child loads a second,
+            whole copy of the target with transformers next to the server's weights (before
+            the KV pool is allocated): it fits only where that copy fits, or it fails and the
+            fallback is used (the CPU development mode has no such limit).
+        calibrate_batch_sizes, calibrate_tokens, calibrate_unique_experts, calibrate_repeats:
+            the calibration grid (the command's ``--batch-sizes``, ``--tokens``,
+            ``--unique-experts`` as comma-separated integers >= 1, ``--repeats``); None: the
+            command's default. Read only with ``calibrate``.
+        calibrate_timeout: seconds the calibration may take (> 0); past it the child is
+            stopped and the fallback used.
         share_buffer: one expert buffer for the whole batch, seeded with every request's
             bonus token (a batched verify pass loads the union); False: one per request.
         ep_cost: under expert parallelism (SGLang's ep_size > 1) price a candidate by the
@@ -124,6 +146,12 @@ class EcoSpecSettings:
     eps: float | str = 0.1
     profile: str | None = None
     hardware: str | None = None
+    calibrate: bool = False
+    calibrate_batch_sizes: str | None = None
+    calibrate_tokens: str | None = None
+    calibrate_unique_experts: str | None = None
+    calibrate_repeats: int | None = None
+    calibrate_timeout: float = 1800.0
     share_buffer: bool = True
     ep_cost: bool = True
     total_weight: float | None = None
@@ -153,6 +181,7 @@ class EcoSpecSettings:
             )
         if self.policy not in POLICIES:
             raise EcoSpecSettingsError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        self._check_calibrate()
         self._check_eps()
         try:
             self.selection_options()
@@ -227,13 +256,15 @@ class EcoSpecSettings:
             wanted = {
                 "profile": f"the cost model's profile of the served model (one of "
                 f"{', '.join(MODELS)}), or a calibration profile file from `sgl-ecospec "
-                "calibrate`",
+                "calibrate`, or calibrate=on to fit one at startup",
                 "hardware": f"its GPUs (one of {', '.join(HARDWARE)}, or <n>x<name> for the n "
                 "GPUs of one replica)",
             }
             if self.profile is not None and is_calibration_file(self.profile):
                 self._check_calibration_file()
                 return
+            if self.calibrate and self.profile is None and self.hardware is None:
+                return  # calibrated at startup, without a fallback prior
             missing = [name for name in wanted if getattr(self, name) is None]
             if missing:
                 raise EcoSpecSettingsError(
@@ -253,6 +284,40 @@ class EcoSpecSettings:
             raise EcoSpecSettingsError(
                 f"{' and '.join(given)} set but eps = {self.eps}: they are read only with "
                 f"eps={AUTO!r}"
+            )
+
+    def _check_calibrate(self) -> None:
+        grid = [name for name in CALIBRATION_GRID if getattr(self, name) is not None]
+        if not self.calibrate:
+            if grid:
+                raise EcoSpecSettingsError(
+                    f"{' and '.join(grid)} set but calibrate is off: they are read only with "
+                    "calibrate=on"
+                )
+            return
+        if not self.eps_auto:
+            raise EcoSpecSettingsError(
+                f"calibrate=on fits the cost model that eps={AUTO!r} reads, but eps = "
+                f"{self.eps}: set eps={AUTO!r}, or calibrate=off"
+            )
+        if self.profile is not None and is_calibration_file(self.profile):
+            raise EcoSpecSettingsError(
+                f"calibrate=on and the calibration profile file {self.profile!r}: choose one, "
+                "the file (calibrate=off) or calibration at startup (unset profile, or name a "
+                "model profile for the fallback prior)"
+            )
+        for name in CALIBRATION_GRID[:3]:
+            text = getattr(self, name)
+            if text is not None:
+                calibration_sizes(name, text)
+        if self.calibrate_repeats is not None and self.calibrate_repeats < 1:
+            raise EcoSpecSettingsError(
+                f"calibrate_repeats must be >= 1, got {self.calibrate_repeats}"
+            )
+        if not (math.isfinite(self.calibrate_timeout) and self.calibrate_timeout > 0):
+            raise EcoSpecSettingsError(
+                f"calibrate_timeout must be a finite number of seconds > 0, got "
+                f"{self.calibrate_timeout}"
             )
 
     def _check_calibration_file(self) -> None:
@@ -307,6 +372,19 @@ class EcoSpecSettings:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def calibration_sizes(name: str, text: str) -> tuple[int, ...]:
+    """The distinct integers >= 1 of the comma-separated ``text`` of the setting ``name``."""
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1 or len(set(values)) != len(values):
+        raise EcoSpecSettingsError(
+            f"{name} must hold distinct comma-separated integers >= 1 (e.g. 1,2,4), got {text!r}"
+        )
+    return values
 
 
 def is_calibration_file(profile: str) -> bool:

@@ -18,9 +18,11 @@ predicting experts with a head trained by ``sgl-ecospec train-head``. Asserted:
 5. with the trained head: lossless, drafts accepted, and its recall well above chance;
 6. with the utility gate (on by default; off in the runs above): lossless, and on this CPU,
    where speculation is slower than plain decoding, the gate decodes plainly after its first
-   measurements, says so in the log and on /metrics.
+   measurements, says so in the log and on /metrics;
+7. with ``SGLANG_ECOSPEC_CALIBRATE=on``: the server calibrates the cost model on this CPU at
+   startup (a tiny grid), logs the fit and prices with it, lossless.
 
-Servers are always shut down, even on failure. About 7 minutes on 2 cores. Select with
+Servers are always shut down, even on failure. About 8 minutes on 2 cores. Select with
 ``-m e2e``, skip with ``-m "not e2e"``.
 """
 
@@ -307,3 +309,27 @@ def test_adaptive_sizes_each_step_in_the_fixed_width_verify(
     # Some steps verified fewer nodes than the width (copies filled the rest), and every
     # copy's captured routing equals its original's: the copies loaded no expert.
     assert total > 0 and differ == 0, copies[-1]
+
+
+def test_ecospec_calibrates_its_cost_model_at_startup(
+    models, prompts, plain_outputs, logs, tmp_path_factory
+):
+    env = {
+        "SGLANG_ECOSPEC_EPS": "auto",
+        "SGLANG_ECOSPEC_CALIBRATE": "on",
+        "SGLANG_ECOSPEC_CALIBRATE_BATCH_SIZES": "1,2",
+        "SGLANG_ECOSPEC_CALIBRATE_TOKENS": "1,2",
+        "SGLANG_ECOSPEC_CALIBRATE_UNIQUE_EXPERTS": "8,16",
+        "SGLANG_ECOSPEC_CALIBRATE_REPEATS": "1",
+        "SGL_ECOSPEC_CACHE": str(tmp_path_factory.mktemp("cache")),  # a fresh calibration
+        **NO_GATE,
+    }
+    args = spec_args(models, "ECOSPEC")
+    outputs, _, _, text = serve(args, prompts, logs / "calibrate.log", env)
+    assert_lossless(outputs, plain_outputs)
+    assert "ECOSPEC: calibrating the cost model of" in text
+    calibrated = r"ECOSPEC: calibrated the cost model on cpu.* in [\d.]+ s: .*residual rms"
+    assert re.search(calibrated, text)
+    assert "ECOSPEC calibration fit:" in text and "residuals: rms" in text
+    assert re.search(r"ECOSPEC cost model: calibrated profile \S+/calibration/\S+\.json", text)
+    assert "prior (fallback" not in text and "startup calibration failed" not in text

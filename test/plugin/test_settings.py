@@ -62,6 +62,31 @@ def test_settings_defaults_and_env_overrides(tmp_path):
         ),
         ({"RECALL_WEIGHTED_COST": "sometimes"}, "not a valid bool"),
         ({"EP_COST": "2"}, "not a valid bool"),
+        ({"CALIBRATE": "sometimes"}, "SGLANG_ECOSPEC_CALIBRATE='sometimes' is not a valid bool"),
+        ({"CALIBRATE": "on"}, "calibrate=on fits the cost model that eps='auto' reads, but eps"),
+        (
+            {"CALIBRATE": "on", "EPS": "auto", "PROFILE": "/tmp/gpu.json"},
+            "calibrate=on and the calibration profile file '/tmp/gpu.json': choose one",
+        ),
+        (
+            {"CALIBRATE": "on", "EPS": "auto", "PROFILE": "qwen3-30b-a3b"},
+            "eps='auto' needs hardware",
+        ),
+        (
+            {"CALIBRATE_TOKENS": "1,2"},
+            "calibrate_tokens set but calibrate is off: .* only with calibrate=on",
+        ),
+        (
+            {"CALIBRATE": "on", "EPS": "auto", "CALIBRATE_BATCH_SIZES": "1,1"},
+            "calibrate_batch_sizes must hold distinct comma-separated integers >= 1",
+        ),
+        (
+            {"CALIBRATE": "on", "EPS": "auto", "CALIBRATE_UNIQUE_EXPERTS": "8,x"},
+            "calibrate_unique_experts must hold distinct",
+        ),
+        ({"CALIBRATE": "on", "EPS": "auto", "CALIBRATE_REPEATS": "0"}, "calibrate_repeats"),
+        ({"CALIBRATE": "on", "EPS": "auto", "CALIBRATE_TIMEOUT": "0"}, "calibrate_timeout"),
+        ({"CALIBRATE": "on", "EPS": "auto", "CALIBRATE_TIMEOUT": "inf"}, "calibrate_timeout"),
     ],
 )
 def test_settings_errors_name_the_problem(env, message):
@@ -128,3 +153,32 @@ def test_settings_predictors_of_the_catalog_and_recall_weighted_cost():
     )
     assert settings.recall_weighted_cost is True
     assert EcoSpecSettings().recall_weighted_cost is False
+
+
+def test_settings_calibrate_at_startup(tmp_path):
+    assert EcoSpecSettings().calibrate is False
+    alone = EcoSpecSettings.from_env(
+        {
+            "SGLANG_ECOSPEC_EPS": "auto",
+            "SGLANG_ECOSPEC_CALIBRATE": "on",
+            "SGLANG_ECOSPEC_CALIBRATE_BATCH_SIZES": "1,2",
+            "SGLANG_ECOSPEC_CALIBRATE_REPEATS": "1",
+            "SGLANG_ECOSPEC_CALIBRATE_TIMEOUT": "600",
+        }
+    )  # no fallback prior: a failed calibration stops the start
+    assert alone.calibrate is True and alone.profile is None and alone.hardware is None
+    assert alone.calibrate_batch_sizes == "1,2" and alone.calibrate_repeats == 1
+    assert alone.calibrate_timeout == 600.0 and alone.calibrate_tokens is None
+    off = EcoSpecSettings.from_env({"SGLANG_ECOSPEC_CALIBRATE": "off"})
+    assert off.calibrate is False
+    config = tmp_path / "ecospec.json"
+    config.write_text(
+        json.dumps(
+            {"eps": "auto", "calibrate": True, "profile": "qwen3-30b-a3b", "hardware": "h200"}
+        )
+    )  # the prior as the fallback
+    settings = EcoSpecSettings.from_env({"SGLANG_ECOSPEC_CONFIG": str(config)})
+    assert settings.calibrate and settings.profile == "qwen3-30b-a3b"
+    config.write_text(json.dumps({"eps": "auto", "calibrate": "on"}))
+    with pytest.raises(EcoSpecSettingsError, match="'calibrate' .* must be bool"):
+        EcoSpecSettings.from_env({"SGLANG_ECOSPEC_CONFIG": str(config)})
