@@ -161,8 +161,8 @@ def select_step(
         root_context: int ``[B]`` or None (unknown): the last verified token before each
             root, for predictors that read the tree's context (``needs_context``).
         live_recall: the predictor's live recall, or None: with it DeltaCost trusts only
-            what the predictor knows (the recall-weighted cost, :meth:`LiveRecall.weigh` on
-            this step's root experts, ``layer_weights`` as its base).
+            what the predictor knows (the recall-weighted cost, :meth:`LiveRecall.weigh`,
+            ``layer_weights`` as its base).
         host_eps: with ``live_recall``, read the unpredicted cost on the host into eps
             (exact; one sync) instead of scaling the layer weights (graph-safe).
     """
@@ -174,9 +174,7 @@ def select_step(
     if valid is not None:
         bitmaps = bitmaps * valid.long()[:, None, None, None]
     if live_recall is not None:
-        options, layer_weights = live_recall.weigh(
-            options, layer_weights, bitmaps[:, 0], valid, host_eps=host_eps
-        )
+        options, layer_weights = live_recall.weigh(options, layer_weights, host_eps=host_eps)
     selected = _select(scores, parents, bitmaps, budget, options, placement, layer_weights)
     rows = verify_rows(selected)
     verify_predicted = predicted[batch_index(rows), rows]

@@ -131,9 +131,8 @@ def buffer_bytes(
         + (layers * experts * _I64 if ep_placement else 0)  # ExpertPlacement.expert_rank
         # selector.root_context, verify_context; served_predictor.RootContext.tokens
         + ((2 * max_batch + rows) * _I64 if context else 0)
-        # LiveRecall ema, missed rate, hits, rows; the selector's starting buffers
+        # LiveRecall ema, novel, hits, rows
         + (layers * (2 * _F32 + _F64) + _F64 if live_recall else 0)
-        + (max_batch * layers * shape.words * _I64 if live_recall else 0)
     )
 
 
@@ -199,9 +198,9 @@ def after_verify_bytes(
     if live_recall:  # LiveRecall.update: both ids as int64, two bitmaps, their overlap, counts
         recall = tokens * layers * (2 * top_k * _I64 + 3 * shape.words * _I64 + 4 * _F32)
         recall += tokens * (3 * _F32 + _BOOL) + 4 * layers * _F32
-        # update_missed: the starting buffers per row, three bitmaps, counts, candidate masks
-        recall += tokens * layers * (4 * shape.words * _I64 + 3 * _F32) + tokens * 3 * _BOOL
-        recall += 4 * layers * _F32
+        # update_novel: the roots' multi-hot, the others' counts, their zero mask, novel counts
+        recall += batch * layers * (experts * (2 * _F32 + _BOOL) + _F32 + top_k * _I64)
+        recall += 3 * layers * (experts + 1) * _F32
     return stats + observe + recall
 
 

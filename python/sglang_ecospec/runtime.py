@@ -275,10 +275,9 @@ class EcoSpecRuntime:
         if live is not None:  # the recall-weighted cost's trust, from captured rows only
             captured = routing_ids.amin((1, 2)) >= 0  # [T]
             live.update(predicted.long(), routing_ids.clamp_min(0), captured)
-            buffer, candidates = self.selector.candidate_rows(count)
-            live.update_missed(
-                predicted.long(), routing_ids.clamp_min(0), buffer, candidates & captured
-            )
+            per_request = self.selector.num_draft_tokens  # rows of a request: root first
+            roots = routing_ids.view(-1, per_request, *routing_ids.shape[1:])[:, 0]  # [B, L, K]
+            live.update_novel(roots.clamp_min(0), captured.view(-1, per_request)[:, 0])
         if self.settings.learn and not self.predictor.needs_hidden:
             # Rows SGLang did not capture (counted above, logged on read) learn expert 0.
             learnt = routing_ids.clamp_min(0)

@@ -41,9 +41,9 @@ in a persistent buffer, so the predictor's recall is measured on what selection 
 Recall-weighted cost (setting ``recall_weighted_cost``): DeltaCost trusts only what the
 predictor knows, as the offline engine's: each layer's trust from the predictor's
 :class:`sgl_ecospec.predictors.LiveRecall` (fed after every verify by the runtime) and the
-experts it misses, as far as the step's buffer has room for them, added to eps, folded into
-the layer weights on the device (``LiveRecall.weigh`` without ``host_eps``) so that nothing
-is read on the host.
+cost of what it does not know (the new experts a verified token really brings, measured on
+the roots) added to eps, folded into the layer weights on the device (``LiveRecall.weigh``
+without ``host_eps``) so that nothing is read on the host.
 
 Calibrated acceptance (setting ``calibrated_acceptance``, :mod:`sglang_ecospec.acceptance`):
 with policy "ecospec" the scores handed to ``select_step`` are the calibrated acceptance
@@ -77,7 +77,6 @@ import logging
 
 import torch
 
-from sgl_ecospec.ops.bitmaps import num_words
 from sgl_ecospec.ops.selection import SelectionOptions
 from sgl_ecospec.predictors import ExpertPredictor, LiveRecall
 from sgl_ecospec.step import batch_index, fill_unused_slots, select_step, verify_rows
@@ -255,36 +254,14 @@ class EcoSpecSelector:
             self.verify_context = torch.full(
                 (max_batch * num_draft_tokens,), -1, dtype=torch.int64, device=device
             )
-        # The predictor's live recall, which the runtime updates after each verify, and the
-        # buffer each request's selection started from (its missed rate is measured on it).
+        # The predictor's live recall, which the runtime updates after each verify.
         self.live_recall = None
-        self.start_buffer = None  # int64 [Bmax, L, W]
         if settings.recall_weighted_cost:
             self.live_recall = LiveRecall.of(predictor, device)
-            self.start_buffer = torch.zeros(
-                max_batch,
-                predictor.num_layers,
-                num_words(predictor.num_experts),
-                dtype=torch.int64,
-                device=device,
-            )
 
     @property
     def max_batch(self) -> int:
         return self.root_tokens.shape[0]
-
-    def candidate_rows(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last selection's ``count`` verify rows (``count // D`` requests x D) as the
-        missed rate reads them: each row's starting buffer int64 ``[count, L, W]`` and
-        whether it is a candidate bool ``[count]`` (not a root, not a copy of one)."""
-        per_request = self.num_draft_tokens
-        batch = count // per_request
-        buffer = self.start_buffer[:batch].repeat_interleave(per_request, 0)  # [count, L, W]
-        candidates = torch.ones(batch, per_request, dtype=torch.bool, device=buffer.device)
-        candidates[:, 0] = False
-        if self.copy_rows is not None:
-            candidates &= ~self.copy_rows[:batch]
-        return buffer, candidates.flatten()
 
     def eps_for(self, batch: int) -> float:
         """eps for a batch of ``batch`` requests (the setting, or its cost-model bucket)."""
@@ -435,9 +412,6 @@ class EcoSpecSelector:
                 rows = verify_rows(index)  # [B, D]
                 context = step.context[batch_index(rows), rows]  # [B, D]
                 self.verify_context[:verified].copy_(context.flatten())
-            if self.start_buffer is not None:
-                start = LiveRecall.start_buffer(step.bitmaps[:, 0], self.options.share_buffer)
-                self.start_buffer[:batch].copy_(start)
             copies = None
             if adaptive:  # for the tree hook and the routing check after the verify
                 copies = copy_rows(index)  # [B, D]

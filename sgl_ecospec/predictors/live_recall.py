@@ -17,19 +17,20 @@ class LiveRecall:
     a benchmark reports). :meth:`update` runs a fixed number of kernels and no host sync.
 
     Trust. With K predicted and K true experts per layer, a predicted expert is truly used
-    with probability r_l (the layer's recall). A candidate's expected number of truly new
-    experts in layer l is ``w_l * predicted_new_l + m_l free_l`` with
-    ``w_l = (r_l - K/E) / (1 - K/E)`` (0 at chance, 1 for a perfect predictor), ``free_l``
-    the experts not yet in the buffer and m_l the rate at which a free expert is one the
-    candidate truly uses but the predictor missed. Under uniform routing
-    m_l = (1 - r_l) K / (E - K); real routing favours popular experts, which a buffer holds
-    first, so m_l is measured (:meth:`update_missed`, on the verified candidates against
-    the buffer their selection started from), starting at chance, K / E.
-    :meth:`layer_weights` gives ``w_l``; :meth:`unpredicted_cost` the second term summed
-    over layers, a cost every candidate pays alike, with ``free_l`` the free experts of the
-    step's buffer when selection starts (:meth:`buffer_free`) or ``E - K`` (a buffer holding
-    one token's experts). :meth:`weigh` applies both to a step's selection. The recall
-    starts at chance, so a cold predictor is trusted with nothing.
+    with probability r_l (the layer's recall); ``w_l = (r_l - K/E) / (1 - K/E)`` is the
+    layer's trust (0 at chance, 1 for a perfect predictor, :meth:`layer_weights`). A
+    candidate's cost in layer l is then the shrinkage estimate
+    ``w_l * predicted_new_l + (1 - w_l) * n_l``: its predicted new experts as far as the
+    predictor is trusted, the rest the experts a verified token really brings that the
+    other tokens of its step do not, n_l, measured on every step's roots
+    (:meth:`update_novel`: leave-one-out over the batch's true routing; the roots are
+    verified whatever the selection, so the measure never starves). Under uniform routing
+    n_l is K (1 - K / E)^(B - 1); real routing favours popular experts, which the
+    other tokens hold already, so it is measured, starting at K (1 - K / E).
+    :meth:`unpredicted_cost` gives the second term summed over layers, a cost every
+    candidate pays alike; :meth:`weigh` applies both to a step's selection. The recall
+    starts at chance, so a cold predictor is trusted with nothing and selection sizes its
+    sets by the measured cost alone.
 
     Args:
         num_layers: L.
@@ -56,8 +57,8 @@ class LiveRecall:
         self.rate = float(rate)
         self.chance = top_k / num_experts
         self.ema = torch.full((num_layers,), self.chance, dtype=torch.float32, device=device)
-        # m_l: missed new experts per free expert of a candidate's starting buffer [L]
-        self.missed_rate = torch.full_like(self.ema, self.chance)
+        # n_l: the new experts one verified token brings to its step's other tokens [L]
+        self.novel = torch.full_like(self.ema, top_k * (1.0 - self.chance))
         self.hits = torch.zeros(num_layers, dtype=torch.float64, device=device)  # [L]
         self.rows = torch.zeros((), dtype=torch.float64, device=device)
 
@@ -109,116 +110,51 @@ class LiveRecall:
         trust = trust.clamp(0.0, 1.0)
         return trust if base is None else trust * base.to(trust)
 
-    def unpredicted_cost(
-        self, base: torch.Tensor | None = None, free: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """float32 scalar tensor: the expected new experts a candidate brings that the
-        predictor did not predict, ``sum_l base_l m_l free_l``, in expert loads like
-        DeltaCost; every candidate pays it alike, so it acts as eps.
-
-        Args:
-            base: float ``[L]`` or None (ones): the configured layer weights.
-            free: float ``[L]`` or None (``E - K``): experts not yet in the buffer
-                (:meth:`buffer_free`).
-        """
-        if free is None:
-            free = torch.full_like(self.missed_rate, float(self.num_experts - self.top_k))
-        missed = self.missed_rate * free.to(self.missed_rate)  # [L]
+    def unpredicted_cost(self, base: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 scalar tensor: the cost a candidate pays beyond its trusted predictions,
+        ``sum_l base_l (1 - w_l) n_l`` (``base`` float ``[L]`` or ones), in expert loads like
+        DeltaCost; every candidate pays it alike, so it acts as eps."""
+        missed = (1.0 - self.layer_weights()) * self.novel  # [L]
         return (missed if base is None else missed * base.to(missed)).sum()
 
-    def update_missed(
-        self,
-        predicted: torch.Tensor,
-        true: torch.Tensor,
-        buffer: torch.Tensor,
-        valid: torch.Tensor | None = None,
-    ) -> None:
-        """Adds one verify step's candidates to the missed rate m_l: per layer, the true
-        experts neither predicted nor in the buffer, over the experts free in the buffer
-        (ratio of the step's sums). No host sync.
+    def update_novel(self, roots: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Adds one verify step's roots to n_l: per layer, the mean over the roots of their
+        true experts that no other root of the step uses (leave-one-out), what one more
+        verified token adds to the step's experts. No host sync.
 
         Args:
-            predicted: int ``[T, L, K]``: the experts predicted for the verified candidates.
-            true: int ``[T, L, K']``: the experts the target routed them to.
-            buffer: int64 ``[T, L, W]``: the buffer each row's selection started from
-                (:meth:`start_buffer` of its request).
-            valid: bool ``[T]`` or None (all): rows that count (candidates, not roots,
-                copies or uncaptured rows).
+            roots: int ``[B, L, K]``: the target's routing of the step's roots.
+            valid: bool ``[B]`` or None (all): roots that count (e.g. captured ones).
         """
-        device = self.missed_rate.device
-        pred = topk_to_bitmap(predicted.to(device), self.num_experts, validate=False)
-        real = topk_to_bitmap(true.to(device), self.num_experts, validate=False)
-        held = buffer.to(device)
-        novel = bitmap_popcount(real & ~(pred | held)).float()  # [T, L]
-        free = self.num_experts - bitmap_popcount(held).float()  # [T, L]
-        weight = torch.ones(novel.shape[0], device=device)
+        device = self.novel.device
+        weight = torch.ones(roots.shape[0], device=device)
         if valid is not None:
             weight = valid.to(device, torch.float32)
-        summed_free = (free * weight[:, None]).sum(0)  # [L]
-        step_rate = (novel * weight[:, None]).sum(0) / summed_free.clamp_min(1.0)
-        counted = (summed_free > 0).float()
-        self.missed_rate += (self.rate * counted) * (step_rate - self.missed_rate)
-
-    @staticmethod
-    def start_buffer(root_experts: torch.Tensor, share_buffer: bool) -> torch.Tensor:
-        """int64 ``[B, L, W]``: the buffer each request's selection starts from: the union of
-        every root's experts ``root_experts`` int64 ``[B, L, W]`` with ``share_buffer`` (one
-        buffer for the batch), else its own root's."""
-        if not share_buffer:
-            return root_experts
-        bits = torch.arange(64, device=root_experts.device)
-        present = ((root_experts[..., None] >> bits) & 1).amax(0)  # [L, W, 64]
-        # Distinct powers of two: the int64 sum wraps into bit 63 exactly as an OR would.
-        union = (present << bits).sum(-1)  # [L, W]
-        return union.expand_as(root_experts)
-
-    def buffer_free(
-        self,
-        root_experts: torch.Tensor,
-        valid: torch.Tensor | None = None,
-        *,
-        share_buffer: bool = True,
-    ) -> torch.Tensor:
-        """float32 ``[L]``: experts per layer not in the step's expert buffer when selection
-        starts: outside the union of the roots' (``share_buffer``, one buffer for the batch)
-        or, per request, outside its root's, averaged over the valid requests.
-
-        Args:
-            root_experts: int64 ``[B, L, W]``: the roots' predicted expert bitmaps (empty
-                for requests that do not count).
-            valid: bool ``[B]`` or None (all): requests that count (per-request buffers).
-        """
-        device = self.ema.device
-        roots = root_experts.to(device)
-        if share_buffer:
-            held = bitmap_popcount(self.start_buffer(roots, True)[0]).float()  # [L]
-        else:
-            counts = bitmap_popcount(roots).float()  # [B, L]
-            weight = torch.ones(counts.shape[0], device=device)
-            if valid is not None:
-                weight = valid.to(device, torch.float32)
-            held = (counts * weight[:, None]).sum(0) / weight.sum().clamp_min(1.0)
-        return (self.num_experts - held).clamp_min(0.0)
+        multi = torch.zeros(*roots.shape[:2], self.num_experts, device=device)  # [B, L, E]
+        multi.scatter_(2, roots.to(device).long(), 1.0)
+        multi *= weight[:, None, None]
+        others = multi.sum(0) - multi  # [B, L, E]: the other roots' uses of each expert
+        novel = (multi * (others == 0)).sum(-1)  # [B, L]
+        count = weight.sum()
+        step_novel = novel.sum(0) / count.clamp_min(1.0)
+        self.novel += (self.rate * (count > 0)) * (step_novel - self.novel)
 
     def weigh(
         self,
         options: SelectionOptions,
         base: torch.Tensor | None,
-        root_experts: torch.Tensor,
-        valid: torch.Tensor | None = None,
         *,
         host_eps: bool,
     ) -> tuple[SelectionOptions, torch.Tensor]:
         """A step's selection with DeltaCost trusting only what the predictor knows: each
         layer weighted by its trust (:meth:`layer_weights`, times ``base``) and eps raised by
-        the unpredicted cost U of this step's buffer (:meth:`unpredicted_cost`,
-        :meth:`buffer_free`). A cold or useless predictor gets weight 0 and a large eps:
-        selection by confidence.
+        the unpredicted cost U (:meth:`unpredicted_cost`). A cold or useless predictor gets
+        weight 0 and eps the measured cost of a token: selection by confidence, sized by
+        what tokens really cost.
 
         Args:
-            options: the step's selection options (its eps, share_buffer, policy).
+            options: the step's selection options.
             base: float ``[L]`` or None: the configured layer weights.
-            root_experts, valid: as :meth:`buffer_free`.
             host_eps: read U on the host (one sync) into eps, exactly. Else (graph-safe) eps
                 stays and the weights are scaled by c = eps / (eps + U): P / (w.Delta + eps
                 + U) = P / (c w.Delta + eps) / c ranks every candidate alike; "adaptive"'s
@@ -229,8 +165,7 @@ class LiveRecall:
             the options (eps raised when ``host_eps``) and DeltaCost's layer weights
             float32 ``[L]``.
         """
-        free = self.buffer_free(root_experts, valid, share_buffer=options.share_buffer)
-        unpredicted = self.unpredicted_cost(base, free)
+        unpredicted = self.unpredicted_cost(base)
         weights = self.layer_weights(base)
         if host_eps:
             return options.with_eps(options.eps + float(unpredicted)), weights

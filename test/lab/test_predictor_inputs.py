@@ -6,7 +6,6 @@ import torch
 
 from sgl_ecospec.lab.engine import SpecConfig
 from sgl_ecospec.lab.engine.predictor_inputs import next_root_context, verified_context
-from sgl_ecospec.ops.bitmaps import topk_to_bitmap
 from sgl_ecospec.ops.selection import SelectionOptions
 from sgl_ecospec.predictors import ContextExpertPredictor, LiveRecall, OnlineExpertPredictor
 from sgl_ecospec.step import select_step, tree_context
@@ -66,18 +65,6 @@ def trained_online(seed=0):
     return predictor
 
 
-def root_bitmaps(tokens, predictor):
-    """int64 ``[B, L, W]``: the roots' predicted experts, as ``select_step`` seeds the buffer."""
-    return select_step(
-        predictor,
-        tokens,
-        torch.zeros(tokens.shape[0], tokens.shape[1] - 1),
-        torch.full((tokens.shape[0], tokens.shape[1] - 1), -1),
-        0,
-        SelectionOptions("confidence"),
-    ).bitmaps[:, 0]
-
-
 @pytest.mark.parametrize("seed", range(4))
 def test_cold_trust_selects_as_confidence_and_full_trust_as_ecospec(seed):
     tokens, scores, parents = tree(batch=3, seed=seed)
@@ -88,11 +75,9 @@ def test_cold_trust_selects_as_confidence_and_full_trust_as_ecospec(seed):
     ).selected
     ecospec = select_step(predictor, tokens, scores, parents, 3, options).selected
     live = LiveRecall.of(predictor)
-    roots = root_bitmaps(tokens, predictor)
 
-    cold, weights = live.weigh(options, None, roots, host_eps=True)
-    free = live.buffer_free(roots)
-    assert cold.eps == pytest.approx(0.1 + float((K * (1 - K / E) * free / (E - K)).sum()))
+    cold, weights = live.weigh(options, None, host_eps=True)
+    assert cold.eps == pytest.approx(0.1 + L * K * (1 - K / E))
     assert torch.equal(weights, torch.zeros(L))
     for host_eps in (True, False):
         got = select_step(
@@ -100,9 +85,8 @@ def test_cold_trust_selects_as_confidence_and_full_trust_as_ecospec(seed):
         ).selected
         assert torch.equal(got, confidence)
 
-    live.ema.fill_(1.0)  # a perfect predictor is trusted fully and misses nothing
-    live.missed_rate.zero_()
-    trusted, weights = live.weigh(options, None, roots, host_eps=True)
+    live.ema.fill_(1.0)  # a perfect predictor is trusted fully
+    trusted, weights = live.weigh(options, None, host_eps=True)
     assert trusted.eps == pytest.approx(0.1) and weights.tolist() == [1.0] * L
     got = select_step(predictor, tokens, scores, parents, 3, options, live_recall=live).selected
     assert torch.equal(got, ecospec)
@@ -113,64 +97,37 @@ def test_configured_layer_weights_scale_the_trust():
     live = LiveRecall.of(predictor)
     live.ema.fill_(1.0)
     base = torch.tensor([1.0, 0.0, 2.0, 1.0], dtype=torch.float64)
-    tokens, _, _ = tree()
-    _, weights = live.weigh(
-        SelectionOptions("ecospec"), base, root_bitmaps(tokens, predictor), host_eps=True
-    )
+    _, weights = live.weigh(SelectionOptions("ecospec"), base, host_eps=True)
     assert weights.tolist() == [1.0, 0.0, 2.0, 1.0]
 
 
-def test_missed_experts_cost_only_what_the_buffer_does_not_hold():
-    """The unpredicted cost counts a missed expert only as far as the step's buffer has room:
-    one root's buffer (E - K free) charges (1 - r) K per layer, a buffer the roots already
-    fill charges nothing, so a cold predictor at a large batch no longer stops "adaptive"
-    before its first node."""
-    live = LiveRecall(L, E, K)
-    one_root = topk_to_bitmap(torch.tensor([[[0, 1]] * L]), E)  # [1, L, W]
-    assert live.buffer_free(one_root).tolist() == [E - K] * L
-    assert float(live.unpredicted_cost(free=live.buffer_free(one_root))) == pytest.approx(
-        float(live.unpredicted_cost())
-    )
-    every = torch.arange(E).view(E // K, 1, K).expand(E // K, L, K)  # 8 roots cover E
-    full = topk_to_bitmap(every, E)
-    assert live.buffer_free(full).tolist() == [0.0] * L
-    assert float(live.unpredicted_cost(free=live.buffer_free(full))) == 0.0
-    # Per-request buffers: each holds its own root only, whatever the batch.
-    assert live.buffer_free(full, share_buffer=False).tolist() == [E - K] * L
-    valid = torch.tensor([True] + [False] * (E // K - 1))
-    half = full.clone()
-    half[1:] = 0
-    assert live.buffer_free(half, valid, share_buffer=False).tolist() == [E - K] * L
-
-    # "adaptive" with a cold predictor: a small buffer charges each node the missed experts
-    # and stops early; a full one charges only eps, as for a perfect predictor of a full
-    # buffer, and takes the nodes whose probability pays for the step.
-    batch = V  # every token a root: their random experts fill each layer
+def test_adaptive_sizes_a_cold_predictors_sets_by_the_measured_token_cost():
+    """A cold predictor's sets are sized by what a verified token really costs (n_l): where
+    tokens use experts the others hold already, "adaptive" takes the nodes whose
+    probability pays for the step; where each brings K new ones, none."""
+    batch = 4
     gen = torch.Generator().manual_seed(3)
-    tokens = torch.cat(
-        [torch.arange(V)[:, None], torch.randint(0, V, (batch, 6), generator=gen)], 1
-    )
+    tokens = torch.randint(0, V, (batch, 7), generator=gen)
     scores = torch.tensor([[0.9, 0.8, 0.7, 0.6, 0.5, 0.4]] * batch)
     parents = torch.full((batch, 6), -1)
     options = SelectionOptions("adaptive", eps=0.5, share_buffer=True, step_cost=4.0)
     predictor = trained_online()
-    predictor.live_recall = live
-    small = select_step(
-        predictor,
-        tokens[:1],
-        scores[:1],
-        parents[:1],
-        6,
-        options,
-        live_recall=live,
-        host_eps=True,
-    ).selected
-    assert int((small >= 0).sum()) == 0
-    covered = select_step(
-        predictor, tokens, scores, parents, 6, options, live_recall=live, host_eps=True
+    live = LiveRecall.of(predictor, rate=1.0)
+
+    def taken():
+        chosen = select_step(
+            predictor, tokens, scores, parents, 6, options, live_recall=live, host_eps=True
+        )
+        return int((chosen.selected >= 0).sum())
+
+    live.update_novel(
+        torch.randperm(E, generator=gen)[: batch * K].view(batch, 1, K).expand(-1, L, -1)
     )
-    assert live.buffer_free(covered.bitmaps[:, 0]).tolist() == [0.0] * L
-    assert bool((covered.selected >= 0).all())
+    assert live.novel.tolist() == [float(K)] * L  # disjoint roots: each brings all K
+    assert taken() == 0
+    live.update_novel(torch.arange(K).expand(batch, L, K))  # the same experts for every token
+    assert live.novel.tolist() == [0.0] * L
+    assert taken() == batch * 6
 
 
 def test_spec_config_checks_the_flag():

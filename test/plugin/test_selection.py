@@ -171,9 +171,6 @@ def test_recall_weighted_cost_falls_from_ecospec_to_confidence_with_the_recall()
     live = selector.live_recall
     for recall, want in [(1.0, 11), (0.6, 11), (0.3, 10), (0.25, 10)]:  # chance: 2/8
         live.ema.fill_(recall)
-        live.missed_rate.copy_(  # what uniform routing makes of that recall
-            (1 - live.ema.clamp_min(live.chance)) * live.top_k / (live.num_experts - live.top_k)
-        )
         selector.set_roots(torch.tensor([1]))
         _, _, draft_tokens = selector.organize(score_list, token_list, parents_list, 2)
         assert draft_tokens.tolist() == [[want]], recall
@@ -210,17 +207,12 @@ def test_recall_weighted_cost_is_the_librarys_rule_without_a_host_read(monkeypat
     for recall in ([0.9, 0.5, 0.2], [0.6, 0.125, 0.3], [1.0, 1.0, 1.0]):  # chance: 2/16
         live = selector.live_recall
         live.ema.copy_(torch.tensor(recall))
-        live.missed_rate.copy_(  # what uniform routing makes of that recall
-            (1 - live.ema.clamp_min(live.chance)) * live.top_k / (live.num_experts - live.top_k)
-        )
         selector.set_roots(roots)
         calls.clear()
         got = selector.organize(*tree, 7)
         assert_valid_selection(tree, got, 7)
         ((args, kwargs),) = calls
-        options, weights = selector.live_recall.weigh(
-            selector.options_for(4), None, kwargs["root_experts"], host_eps=True
-        )
+        options, weights = selector.live_recall.weigh(selector.options_for(4), None, host_eps=True)
         assert kwargs["eps"] == selector.options_for(4).eps  # nothing read on the host
         library = {**kwargs, "eps": options.eps, "layer_weights": weights}
         assert torch.equal(got[1], real(*args, **library))

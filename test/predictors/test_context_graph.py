@@ -4,7 +4,6 @@ the live tables while ``observe`` changes them in place; neither syncs with the 
 import torch
 from _util import compile_once, host_syncs
 
-from sgl_ecospec.ops.bitmaps import topk_to_bitmap
 from sgl_ecospec.ops.selection import SelectionOptions
 from sgl_ecospec.predictors import ContextExpertPredictor, LiveRecall
 
@@ -51,8 +50,8 @@ def test_observe_and_live_recall_have_no_host_sync():
         predicted = predictor.predict_topk(tokens, context_tokens=parents)
         live.update(predicted, topk, tokens >= 0)
         predictor.observe(tokens, topk, validate=False, context_tokens=parents)
-        roots = topk_to_bitmap(predicted[:8], E, validate=False)  # [8, L, W]
+        live.update_novel(topk[:8], tokens[:8] >= 0)
         options = SelectionOptions("ecospec", eps=0.5, share_buffer=True)
-        return live.weigh(options, None, roots, host_eps=False)[1], live.unpredicted_cost()
+        return live.weigh(options, None, host_eps=False)[1], live.unpredicted_cost()
 
     assert host_syncs(learn, tokens, topk, parents) == []

@@ -4,7 +4,6 @@ selection derives from it."""
 import pytest
 import torch
 
-from sgl_ecospec.ops.bitmaps import topk_to_bitmap
 from sgl_ecospec.predictors import LiveRecall, OnlineExpertPredictor, topk_recall
 
 L, E, K = 3, 16, 4
@@ -60,50 +59,36 @@ def test_trust_starts_at_zero_and_follows_recall():
     assert live.layer_weights(base).tolist() == pytest.approx((weights * base.float()).tolist())
 
 
-def test_missed_rate_is_measured_against_the_starting_buffer():
-    """m_l counts a candidate's true experts that were neither predicted nor in its buffer,
-    per free expert: chance (K / E) when cold and under uniform routing with a useless
-    predictor, 0 for a perfect predictor, and 0 when routing favours experts the buffer
-    already holds."""
+def test_novel_experts_are_measured_leaving_each_root_out():
+    """n_l, the experts one verified token brings that its step's other tokens do not use:
+    K (1 - K / E) when cold, K (1 - K / E)^(B - 1) under uniform routing, 0 when every token
+    uses the same experts, and K for a lone root."""
     live = LiveRecall(L, E, K, rate=0.5)
-    assert live.missed_rate.tolist() == pytest.approx([K / E] * L)
-    free = torch.full((L,), float(E - K))
-    assert float(live.unpredicted_cost(free=free)) == pytest.approx(float(live.unpredicted_cost()))
-    empty = torch.zeros(30, L, 1, dtype=torch.int64)
-    for seed in range(40):  # uniform routing, predictions independent of it, empty buffers
-        live.update_missed(random_routing(seed), random_routing(seed + 100), empty)
-    assert live.missed_rate.tolist() == pytest.approx([K * (1 - K / E) / E] * L, rel=0.25)
+    assert live.novel.tolist() == pytest.approx([K * (1 - K / E)] * L)
+    # Cold: no trust, so the whole measured cost is unpredicted.
+    assert float(live.unpredicted_cost()) == pytest.approx(L * K * (1 - K / E))
+    for seed in range(60):  # batches of 4 uniform roots
+        live.update_novel(random_routing(seed, 4))
+    assert live.novel.tolist() == pytest.approx([K * (1 - K / E) ** 3] * L, rel=0.25)
 
-    perfect = LiveRecall(L, E, K, rate=0.5)
-    for seed in range(10):
-        true = random_routing(seed)
-        perfect.update_missed(true, true, empty)
-    assert perfect.missed_rate.max() < 1e-2
+    same = LiveRecall(L, E, K, rate=0.5)
+    for _ in range(20):
+        same.update_novel(torch.arange(K).expand(4, L, K))
+    assert same.novel.max() < 1e-4
 
-    # Popular experts: every true expert is one of 0..K-1, and the buffer holds them.
-    popular = LiveRecall(L, E, K, rate=0.5)
-    held = topk_to_bitmap(torch.arange(K).expand(30, L, K), E)
-    for seed in range(10):
-        popular.update_missed(random_routing(seed), torch.arange(K).expand(30, L, K), held)
-    assert popular.missed_rate.max() < 1e-2
-    # Rows that do not count leave the rate alone.
-    before = popular.missed_rate.clone()
-    popular.update_missed(
-        random_routing(0), random_routing(1), empty, torch.zeros(30, dtype=torch.bool)
-    )
-    assert torch.equal(popular.missed_rate, before)
+    alone = LiveRecall(L, E, K, rate=1.0)
+    alone.update_novel(random_routing(0, 1))
+    assert alone.novel.tolist() == [float(K)] * L
+    # Roots that do not count are no one's neighbours, and none leaves the rate alone.
+    roots = torch.cat([random_routing(1, 1), torch.arange(K).expand(1, L, K)])
+    alone.update_novel(roots, torch.tensor([True, False]))
+    assert alone.novel.tolist() == [float(K)] * L
+    alone.update_novel(roots, torch.tensor([False, False]))
+    assert alone.novel.tolist() == [float(K)] * L
 
-
-def test_start_buffer_is_the_union_of_the_roots_or_each_root():
-    ids = torch.tensor([[[0, 63]], [[64, 127]], [[5, 100]]])  # 3 roots, 1 layer, 128 experts
-    roots = topk_to_bitmap(ids, 128)
-    union = LiveRecall.start_buffer(roots, True)
-    assert union.shape == roots.shape
-    assert all(torch.equal(u, roots[0] | roots[1] | roots[2]) for u in union)
-    assert LiveRecall.start_buffer(roots, False) is roots
-    live = LiveRecall(1, 128, 2)
-    assert live.buffer_free(roots).tolist() == [122.0]
-    assert live.buffer_free(roots, share_buffer=False).tolist() == [126.0]
+    # A trusted layer's measured cost counts only as far as it is not trusted.
+    live.ema.fill_(1.0)
+    assert float(live.unpredicted_cost()) == pytest.approx(0.0)
 
 
 def test_of_attaches_one_tracker_per_predictor():

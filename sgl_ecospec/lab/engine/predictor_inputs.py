@@ -36,29 +36,19 @@ def verified_context(chosen: StepSelection, valid: torch.Tensor) -> dict:
 
 
 def record_recall(
-    predictor: ExpertPredictor,
-    chosen: StepSelection,
-    valid: torch.Tensor,
-    routing: torch.Tensor,
-    share_buffer: bool,
+    predictor: ExpertPredictor, chosen: StepSelection, valid: torch.Tensor, routing: torch.Tensor
 ) -> None:
     """Adds a verify step to the predictor's :class:`LiveRecall` (attached on first use):
-    the recall on every verified row, and the missed rate on the verified candidates
-    against the buffer their selection started from.
+    the recall on every verified row, and the new experts each root brings to the others.
 
     Args:
-        chosen: the step's selection (its ``verify_predicted`` ``[B, 1 + S, L, K]`` and the
-            roots' bitmaps).
-        valid: bool ``[B, 1 + S]``: the verified rows (root first).
+        chosen: the step's selection (its ``verify_predicted`` ``[B, 1 + S, L, K]``).
+        valid: bool ``[B, 1 + S]``: the verified rows (root first; every root is one).
         routing: int ``[T, L, K]``: the target's routing of the verified rows, in
             ``valid``'s order.
-        share_buffer: the step's buffer is the batch's (``SelectionOptions.share_buffer``).
     """
     live = LiveRecall.of(predictor, routing.device)
-    predicted = chosen.verify_predicted[valid]  # [T, L, K]
-    live.update(predicted, routing)
-    start = LiveRecall.start_buffer(chosen.bitmaps[:, 0], share_buffer)  # [B, L, W]
-    buffer = start[:, None].expand(-1, valid.shape[1], -1, -1)[valid]  # [T, L, W]
-    candidates = valid.clone()
-    candidates[:, 0] = False
-    live.update_missed(predicted, routing, buffer, candidates[valid])
+    live.update(chosen.verify_predicted[valid], routing)
+    roots = torch.zeros_like(valid)
+    roots[:, 0] = True
+    live.update_novel(routing[roots[valid]])
