@@ -131,8 +131,8 @@ def buffer_bytes(
         + (layers * experts * _I64 if ep_placement else 0)  # ExpertPlacement.expert_rank
         # selector.root_context, verify_context; served_predictor.RootContext.tokens
         + ((2 * max_batch + rows) * _I64 if context else 0)
-        # LiveRecall ema, novel, hits, rows
-        + (layers * (2 * _F32 + _F64) + _F64 if live_recall else 0)
+        # LiveRecall ema, novel, hits, rows, novel_steps
+        + (layers * (2 * _F32 + _F64) + _F64 + _F32 if live_recall else 0)
     )
 
 
@@ -181,8 +181,9 @@ def after_verify_bytes(
     live_recall: bool = False,
 ) -> int:
     """An upper bound of the temporaries after a verify of ``batch`` requests: the statistics,
-    the ``predictor``'s update (the online table's multi-hot ``[T, L, E]``; the context
-    table's count updates, several ``[T, L, E]``) and with ``live_recall`` its update."""
+    then the larger of the ``predictor``'s update (the online table's multi-hot ``[T, L, E]``;
+    the context table's count updates, several ``[T, L, E]``) and, with ``live_recall``, the
+    recall's (its multi-hot ``[T, L, E]``), which is freed before the predictor learns."""
     layers, experts, top_k = shape.num_layers, shape.num_experts, shape.top_k
     tokens = batch * num_draft_tokens
     stats = layers * experts * _BOOL + tokens * layers * top_k * top_k * _BOOL
@@ -198,10 +199,11 @@ def after_verify_bytes(
     if live_recall:  # LiveRecall.update: both ids as int64, two bitmaps, their overlap, counts
         recall = tokens * layers * (2 * top_k * _I64 + 3 * shape.words * _I64 + 4 * _F32)
         recall += tokens * (3 * _F32 + _BOOL) + 4 * layers * _F32
-        # update_novel: the roots' multi-hot, the others' counts, their zero mask, novel counts
-        recall += batch * layers * (experts * (2 * _F32 + _BOOL) + _F32 + top_k * _I64)
-        recall += 3 * layers * (experts + 1) * _F32
-    return stats + observe + recall
+        # update_novel: the rows' multi-hot and its masked candidates, the roots' counts, the
+        # other roots' uses and their zero masks, the rows' ids as int64, per-layer sums
+        recall += tokens * layers * (experts * (2 * _F32 + _BOOL) + top_k * _I64)
+        recall += batch * layers * experts * (2 * _F32 + _BOOL) + 6 * layers * (experts + 1) * _F32
+    return stats + max(observe, recall)  # the recall is measured and freed before observe
 
 
 def context_observe_bytes(

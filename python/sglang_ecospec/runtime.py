@@ -276,8 +276,11 @@ class EcoSpecRuntime:
             captured = routing_ids.amin((1, 2)) >= 0  # [T]
             live.update(predicted.long(), routing_ids.clamp_min(0), captured)
             per_request = self.selector.num_draft_tokens  # rows of a request: root first
-            roots = routing_ids.view(-1, per_request, *routing_ids.shape[1:])[:, 0]  # [B, L, K]
-            live.update_novel(roots.clamp_min(0), captured.view(-1, per_request)[:, 0])
+            rows = captured.view(-1, per_request)  # [B, D]
+            if self.selector.copy_rows is not None:  # a copy's experts are its original's
+                rows = rows & ~self.selector.copy_rows[: rows.shape[0]]
+            by_request = routing_ids.clamp_min(0).view(*rows.shape, *routing_ids.shape[1:])
+            live.update_novel(by_request, rows)
         if self.settings.learn and not self.predictor.needs_hidden:
             # Rows SGLang did not capture (counted above, logged on read) learn expert 0.
             learnt = routing_ids.clamp_min(0)

@@ -21,12 +21,11 @@ class LiveRecall:
     layer's trust (0 at chance, 1 for a perfect predictor, :meth:`layer_weights`). A
     candidate's cost in layer l is then the shrinkage estimate
     ``w_l * predicted_new_l + (1 - w_l) * n_l``: its predicted new experts as far as the
-    predictor is trusted, the rest the experts a verified token really brings that the
-    other tokens of its step do not, n_l, measured on every step's roots
-    (:meth:`update_novel`: leave-one-out over the batch's true routing; the roots are
-    verified whatever the selection, so the measure never starves). Under uniform routing
-    n_l is K (1 - K / E)^(B - 1); real routing favours popular experts, which the
-    other tokens hold already, so it is measured, starting at K (1 - K / E).
+    predictor is trusted, the rest the new experts a verified candidate really brings to its
+    step's roots, n_l, measured after every verify (:meth:`update_novel`). Under uniform
+    routing n_l would be K (1 - K / E)^B; real routing favours popular experts, which the
+    roots hold already, and a candidate shares experts with its parent, so it is measured,
+    starting at K (1 - K / E).
     :meth:`unpredicted_cost` gives the second term summed over layers, a cost every
     candidate pays alike; :meth:`weigh` applies both to a step's selection. The recall
     starts at chance, so a cold predictor is trusted with nothing and selection sizes its
@@ -57,8 +56,9 @@ class LiveRecall:
         self.rate = float(rate)
         self.chance = top_k / num_experts
         self.ema = torch.full((num_layers,), self.chance, dtype=torch.float32, device=device)
-        # n_l: the new experts one verified token brings to its step's other tokens [L]
+        # n_l: the new experts a verified candidate brings to its step's roots [L]
         self.novel = torch.full_like(self.ema, top_k * (1.0 - self.chance))
+        self.novel_steps = torch.zeros((), dtype=torch.float32, device=device)
         self.hits = torch.zeros(num_layers, dtype=torch.float64, device=device)  # [L]
         self.rows = torch.zeros((), dtype=torch.float64, device=device)
 
@@ -117,27 +117,44 @@ class LiveRecall:
         missed = (1.0 - self.layer_weights()) * self.novel  # [L]
         return (missed if base is None else missed * base.to(missed)).sum()
 
-    def update_novel(self, roots: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """Adds one verify step's roots to n_l: per layer, the mean over the roots of their
-        true experts that no other root of the step uses (leave-one-out), what one more
-        verified token adds to the step's experts. No host sync.
+    def update_novel(self, routing: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Adds one verify step to n_l, the new experts a verified candidate really brings:
+        per layer, the mean over the step's verified candidates of their true experts that
+        no root of the step uses (the cost of adding each to a roots-only pass). A step
+        without candidates measures its roots instead, leaving each out in turn, so the
+        measure never starves when selection verifies nothing. The first steps are averaged
+        (the weight of step n is max(rate, 1 / n)), so the starting value is soon forgotten.
+        No host sync.
 
         Args:
-            roots: int ``[B, L, K]``: the target's routing of the step's roots.
-            valid: bool ``[B]`` or None (all): roots that count (e.g. captured ones).
+            routing: int ``[B, R, L, K]``: the target's routing of the step's verify rows,
+                each request's root first (R = 1 + its verified candidates, padded).
+            valid: bool ``[B, R]`` or None (all): rows that count (not padding, not copies,
+                captured).
         """
         device = self.novel.device
-        weight = torch.ones(roots.shape[0], device=device)
+        batch, rows = routing.shape[:2]
+        weight = torch.ones(batch, rows, device=device)
         if valid is not None:
             weight = valid.to(device, torch.float32)
-        multi = torch.zeros(*roots.shape[:2], self.num_experts, device=device)  # [B, L, E]
-        multi.scatter_(2, roots.to(device).long(), 1.0)
-        multi *= weight[:, None, None]
-        others = multi.sum(0) - multi  # [B, L, E]: the other roots' uses of each expert
-        novel = (multi * (others == 0)).sum(-1)  # [B, L]
-        count = weight.sum()
-        step_novel = novel.sum(0) / count.clamp_min(1.0)
-        self.novel += (self.rate * (count > 0)) * (step_novel - self.novel)
+        multi = torch.zeros(batch, rows, routing.shape[2], self.num_experts, device=device)
+        multi.scatter_(3, routing.to(device).long(), 1.0)
+        multi *= weight[:, :, None, None]  # [B, R, L, E]
+        root_counts = multi[:, 0].sum(0)  # [L, E]: how many roots use each expert
+        candidates = weight[:, 1:].sum()
+        candidate_novel = (multi[:, 1:] * (root_counts == 0)).sum((0, 1, 3))  # [L]
+        others = root_counts - multi[:, 0]  # [B, L, E]: the other roots' uses
+        roots = weight[:, 0].sum()
+        root_novel = (multi[:, 0] * (others == 0)).sum((0, 2))  # [L]
+        step_novel = torch.where(
+            candidates > 0,
+            candidate_novel / candidates.clamp_min(1.0),
+            root_novel / roots.clamp_min(1.0),
+        )
+        counted = (candidates + roots > 0).float()
+        self.novel_steps += counted
+        rate = torch.clamp(1.0 / self.novel_steps.clamp_min(1.0), min=self.rate)
+        self.novel += (rate * counted) * (step_novel - self.novel)
 
     def weigh(
         self,

@@ -120,12 +120,11 @@ def test_adaptive_sizes_a_cold_predictors_sets_by_the_measured_token_cost():
         )
         return int((chosen.selected >= 0).sum())
 
-    live.update_novel(
-        torch.randperm(E, generator=gen)[: batch * K].view(batch, 1, K).expand(-1, L, -1)
-    )
-    assert live.novel.tolist() == [float(K)] * L  # disjoint roots: each brings all K
+    disjoint = torch.randperm(E, generator=gen)[: 2 * batch * K].view(batch, 2, 1, K)
+    live.update_novel(disjoint.expand(-1, -1, L, -1))  # candidates on experts no root uses
+    assert live.novel.tolist() == [float(K)] * L
     assert taken() == 0
-    live.update_novel(torch.arange(K).expand(batch, L, K))  # the same experts for every token
+    live.update_novel(torch.arange(K).expand(batch, 2, L, K))  # the roots' experts again
     assert live.novel.tolist() == [0.0] * L
     assert taken() == batch * 6
 

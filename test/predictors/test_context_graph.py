@@ -50,7 +50,7 @@ def test_observe_and_live_recall_have_no_host_sync():
         predicted = predictor.predict_topk(tokens, context_tokens=parents)
         live.update(predicted, topk, tokens >= 0)
         predictor.observe(tokens, topk, validate=False, context_tokens=parents)
-        live.update_novel(topk[:8], tokens[:8] >= 0)
+        live.update_novel(topk[:8].view(4, 2, L, K), (tokens[:8] >= 0).view(4, 2))
         options = SelectionOptions("ecospec", eps=0.5, share_buffer=True)
         return live.weigh(options, None, host_eps=False)[1], live.unpredicted_cost()
 

@@ -59,36 +59,46 @@ def test_trust_starts_at_zero_and_follows_recall():
     assert live.layer_weights(base).tolist() == pytest.approx((weights * base.float()).tolist())
 
 
-def test_novel_experts_are_measured_leaving_each_root_out():
-    """n_l, the experts one verified token brings that its step's other tokens do not use:
-    K (1 - K / E) when cold, K (1 - K / E)^(B - 1) under uniform routing, 0 when every token
-    uses the same experts, and K for a lone root."""
-    live = LiveRecall(L, E, K, rate=0.5)
+def test_novel_experts_of_the_verified_candidates():
+    """n_l, the experts a verified candidate brings that no root of its step uses: K (1 -
+    K / E) when cold; measured on the candidates (0 when they use the roots' experts, K when
+    each uses new ones); on the roots, each left out in turn, in a step without candidates;
+    averaged over the first steps, so one step replaces the starting value."""
+    live = LiveRecall(L, E, K, rate=0.05)
     assert live.novel.tolist() == pytest.approx([K * (1 - K / E)] * L)
-    # Cold: no trust, so the whole measured cost is unpredicted.
-    assert float(live.unpredicted_cost()) == pytest.approx(L * K * (1 - K / E))
-    for seed in range(60):  # batches of 4 uniform roots
-        live.update_novel(random_routing(seed, 4))
-    assert live.novel.tolist() == pytest.approx([K * (1 - K / E) ** 3] * L, rel=0.25)
+    assert float(live.unpredicted_cost()) == pytest.approx(L * K * (1 - K / E))  # cold
 
-    same = LiveRecall(L, E, K, rate=0.5)
-    for _ in range(20):
-        same.update_novel(torch.arange(K).expand(4, L, K))
-    assert same.novel.max() < 1e-4
+    roots = torch.arange(K).expand(2, 1, L, K)  # both roots use experts 0..K-1
+    echo = torch.arange(K).expand(2, 2, L, K)  # candidates that use the same experts
+    live.update_novel(torch.cat([roots, echo], 1))
+    assert live.novel.tolist() == [0.0] * L  # the first step replaces the start
 
-    alone = LiveRecall(L, E, K, rate=1.0)
-    alone.update_novel(random_routing(0, 1))
-    assert alone.novel.tolist() == [float(K)] * L
-    # Roots that do not count are no one's neighbours, and none leaves the rate alone.
-    roots = torch.cat([random_routing(1, 1), torch.arange(K).expand(1, L, K)])
-    alone.update_novel(roots, torch.tensor([True, False]))
-    assert alone.novel.tolist() == [float(K)] * L
-    alone.update_novel(roots, torch.tensor([False, False]))
-    assert alone.novel.tolist() == [float(K)] * L
+    fresh = LiveRecall(L, E, K)
+    new = (torch.arange(K) + K).expand(2, 2, L, K)  # candidates on experts the roots lack
+    valid = torch.tensor([[True, True, False], [True, False, False]])
+    fresh.update_novel(torch.cat([roots, new], 1), valid)
+    assert fresh.novel.tolist() == [float(K)] * L
+
+    # No candidate verified: the roots, each left out in turn.
+    lone = LiveRecall(L, E, K)
+    lone.update_novel(random_routing(0, 1)[:, None])
+    assert lone.novel.tolist() == [float(K)] * L  # a lone root brings all its experts
+    twins = LiveRecall(L, E, K)
+    twins.update_novel(roots)
+    assert twins.novel.tolist() == [0.0] * L
+    uniform = LiveRecall(L, E, K)
+    for seed in range(60):  # 4 uniform roots: K (1 - K / E)^3 each
+        uniform.update_novel(random_routing(seed, 4)[:, None])
+    assert uniform.novel.tolist() == pytest.approx([K * (1 - K / E) ** 3] * L, rel=0.25)
+
+    # Rows that do not count change nothing.
+    before = twins.novel.clone()
+    twins.update_novel(torch.cat([roots, new], 1), torch.zeros(2, 3, dtype=torch.bool))
+    assert torch.equal(twins.novel, before)
 
     # A trusted layer's measured cost counts only as far as it is not trusted.
-    live.ema.fill_(1.0)
-    assert float(live.unpredicted_cost()) == pytest.approx(0.0)
+    fresh.ema.fill_(1.0)
+    assert float(fresh.unpredicted_cost()) == pytest.approx(0.0)
 
 
 def test_of_attaches_one_tracker_per_predictor():

@@ -39,16 +39,13 @@ def record_recall(
     predictor: ExpertPredictor, chosen: StepSelection, valid: torch.Tensor, routing: torch.Tensor
 ) -> None:
     """Adds a verify step to the predictor's :class:`LiveRecall` (attached on first use):
-    the recall on every verified row, and the new experts each root brings to the others.
+    the recall on every verified row, and the new experts the verified candidates bring.
 
     Args:
         chosen: the step's selection (its ``verify_predicted`` ``[B, 1 + S, L, K]``).
-        valid: bool ``[B, 1 + S]``: the verified rows (root first; every root is one).
-        routing: int ``[T, L, K]``: the target's routing of the verified rows, in
-            ``valid``'s order.
+        valid: bool ``[B, 1 + S]``: the verified rows (root first).
+        routing: int ``[B, 1 + S, L, K]``: the target's routing of the verify rows.
     """
     live = LiveRecall.of(predictor, routing.device)
-    live.update(chosen.verify_predicted[valid], routing)
-    roots = torch.zeros_like(valid)
-    roots[:, 0] = True
-    live.update_novel(routing[roots[valid]])
+    live.update(chosen.verify_predicted[valid], routing[valid])
+    live.update_novel(routing, valid)
