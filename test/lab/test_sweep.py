@@ -440,11 +440,11 @@ def test_warm_started_predictor_sweep(tiny_models, tmp_path):
 
 
 def test_paired_sweep_on_the_engine(tiny_models, tmp_path):
-    policies = "confidence,ecospec,ecospec-ep"
+    policies = "confidence,ecospec,ecospec-ep,adaptive,evict"
     rep, _ = _sweep(tiny_models, "draft", tmp_path, "--policies", policies, "--paired")
     assert rep["config"]["paired"] is True
     for run in rep["runs"]:
-        if run["policy"] == "confidence":
+        if run["policy"] not in sweep_plan.PAIRED_AGAINST or not run.get("ran", True):
             assert "paired" not in run
             continue
         paired = run["paired"]
@@ -473,6 +473,19 @@ def test_paired_sweep_on_the_engine(tiny_models, tmp_path):
             if isinstance(value, dict):
                 assert value["difference"] == pytest.approx(value["run"] - value["against"])
                 assert value["stderr"] >= 0
+    # Adaptive's rows priced on the same trees as evict's cut: both speedups and their
+    # difference; the adaptive run's own set is priced as its run is.
+    adaptive = [
+        row for row in rep["rows"] if row["policy"] == "adaptive" and "paired_speedup" in row
+    ]
+    assert adaptive, "adaptive should speculate somewhere on the fitted draft"
+    for row in adaptive:
+        paired = row["paired_speedup"]
+        assert paired["against"] == "evict"
+        assert paired["run"] == pytest.approx(row["speedup"], rel=1e-6)
+        assert paired["difference"] == pytest.approx(paired["run"] - paired["compared"])
+    assert rep["checks"]["adaptive_above_evict_paired"]["passed"] is not None
+    assert "paired vs evict: " in sweep_report.format_tables(rep)
     # Confidence takes the top draft scores, so ecospec's sets never score higher.
     eco = [r for r in rep["runs"] if r["policy"] == "ecospec"]
     assert all(r["paired"]["draft_score"]["difference"] <= 1e-9 for r in eco)

@@ -156,7 +156,7 @@ def test_paired_speedup_prices_both_sets_as_a_run():
             num_draft_steps=3,
         )
         assert same["run"] == pytest.approx(alone["speedup"])
-        assert same["against"] == pytest.approx(alone["speedup"])
+        assert same["compared"] == pytest.approx(alone["speedup"])
         assert same["difference"] == 0.0 and same["stderr"] == pytest.approx(0.0, abs=1e-12)
         fewer = ep_cost.paired_speedup(
             paired(

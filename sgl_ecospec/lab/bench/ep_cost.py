@@ -229,7 +229,7 @@ def paired_speedup(
     as independent): the residuals (g_0 - R_0 t_0) / sum t_0 - (g_1 - R_1 t_1) / sum t_1.
 
     Returns:
-        ``run``, ``against`` (the two speedups over no speculation), ``difference`` and
+        ``run``, ``compared`` (the two speedups over no speculation), ``difference`` and
         ``stderr``.
     """
     bitmaps = torch.stack([s.paired_bitmaps for s in steps])  # [S, 2, L, W]
@@ -255,7 +255,7 @@ def paired_speedup(
     stderr = float(np.sqrt((diff**2).sum() * n / (n - 1))) if n > 1 else 0.0
     return {
         "run": float(rates[0] / ar_rate),
-        "against": float(rates[1] / ar_rate),
+        "compared": float(rates[1] / ar_rate),
         "difference": float((rates[0] - rates[1]) / ar_rate),
         "stderr": stderr / ar_rate,
     }
