@@ -1,10 +1,10 @@
 """AdjacentExpertPredictor (sgl_ecospec/predictors/adjacent.py): recency in the cached rows,
-an unseen token predicted by its parent, saving and loading, the catalog name; and a graph
-that compiles once with no host sync."""
+an unseen token predicted by its parent, saving and loading, the catalog name (its graph
+safety: test_context_graph.py)."""
 
 import pytest
 import torch
-from _util import compile_once, host_syncs
+from test_context_predictor import E, K, L, V, ids, routing_of, sorted_rows
 
 from sgl_ecospec.predictors import (
     AdjacentExpertPredictor,
@@ -13,25 +13,7 @@ from sgl_ecospec.predictors import (
     make_predictor,
 )
 
-L, E, K, V = 3, 16, 2, 50
-
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def ids(*values):
-    return torch.tensor(values, dtype=torch.int64)
-
-
-def routing_of(token_ids, shift=0):
-    """A deterministic token -> experts map, distinct experts per layer; ``shift`` moves it."""
-    t = torch.as_tensor(token_ids, dtype=torch.int64)[:, None, None] + shift
-    layer = torch.arange(L)[None, :, None]
-    slot = torch.arange(K)[None, None, :]
-    return (t * 5 + layer * 3 + slot * 7) % E
-
-
-def sorted_rows(pred):
-    return [[sorted(layer) for layer in row] for row in pred.tolist()]
 
 
 def test_an_unseen_token_takes_its_seen_parents_experts():
@@ -93,41 +75,3 @@ def test_save_load_round_trip_catalog_and_checks(tmp_path):
         ContextExpertPredictor.load(path)
     with pytest.raises(ValueError, match="recent_weight"):
         AdjacentExpertPredictor(L, E, K, recent_weight=0)
-
-
-def test_prediction_compiles_once_follows_observe_and_never_syncs():
-    torch._dynamo.reset()
-    pred = AdjacentExpertPredictor(L, E, K, vocab_size=V, pair_buckets=128)
-
-    def predict(token_ids, context):
-        return pred.predict_topk(token_ids, context_tokens=context)
-
-    compiled, recorder = compile_once(predict, "aot_eager")
-    gen = torch.Generator().manual_seed(0)
-    queries = torch.randint(0, V, (40,), generator=gen)
-    context = torch.randint(-1, V, (40,), generator=gen)
-    answers = []
-    for seed in range(4):
-        g = torch.Generator().manual_seed(seed + 1)
-        tokens = torch.randint(0, V, (30,), generator=g)
-        parents = torch.randint(-1, V, (30,), generator=g)
-        pred.observe(
-            tokens,
-            torch.randint(0, E, (30, L, K), generator=g),
-            validate=False,
-            context_tokens=parents,
-        )
-        got, want = compiled(queries, context), predict(queries, context)
-        assert torch.equal(got, want), seed
-        answers.append(got)
-    assert len(recorder.graphs) == 1
-    assert not torch.equal(answers[0], answers[-1])
-    assert host_syncs(predict, queries, context) == []
-
-    def learn(tokens, topk, parents):
-        pred.observe(tokens, topk, validate=False, context_tokens=parents)
-        return pred.token_topk
-
-    routing = torch.randint(0, E, (40, L, K), generator=gen)
-    assert host_syncs(learn, queries, routing, context) == []
-    torch._dynamo.reset()

@@ -1,11 +1,15 @@
-"""ContextExpertPredictor and LiveRecall as graphs: prediction compiles once and keeps reading
-the live tables while ``observe`` changes them in place; neither syncs with the host."""
+"""ContextExpertPredictor, AdjacentExpertPredictor and LiveRecall as graphs: prediction
+compiles once and keeps reading the live tables while ``observe`` changes them in place; none
+syncs with the host."""
 
+import pytest
 import torch
 from _util import compile_once, host_syncs
 
 from sgl_ecospec.ops.selection import SelectionOptions
-from sgl_ecospec.predictors import ContextExpertPredictor, LiveRecall
+from sgl_ecospec.predictors import AdjacentExpertPredictor, ContextExpertPredictor, LiveRecall
+
+PREDICTORS = [ContextExpertPredictor, AdjacentExpertPredictor]
 
 L, E, K, V = 2, 70, 3, 300
 
@@ -17,9 +21,10 @@ def routing(seed: int, count: int = 200):
     return tokens, torch.randint(0, E, (count, L, K), generator=gen), context
 
 
-def test_prediction_compiles_once_and_follows_observe():
+@pytest.mark.parametrize("kind", PREDICTORS)
+def test_prediction_compiles_once_and_follows_observe(kind):
     torch._dynamo.reset()
-    predictor = ContextExpertPredictor(L, E, K, vocab_size=V, pair_buckets=512)
+    predictor = kind(L, E, K, vocab_size=V, pair_buckets=512)
 
     def predict(token_ids, context):
         return predictor.predict_topk(token_ids, context_tokens=context)
@@ -41,8 +46,9 @@ def test_prediction_compiles_once_and_follows_observe():
     torch._dynamo.reset()
 
 
-def test_observe_and_live_recall_have_no_host_sync():
-    predictor = ContextExpertPredictor(L, E, K, vocab_size=V, pair_buckets=512)
+@pytest.mark.parametrize("kind", PREDICTORS)
+def test_observe_and_live_recall_have_no_host_sync(kind):
+    predictor = kind(L, E, K, vocab_size=V, pair_buckets=512)
     live = LiveRecall(L, E, K)
     tokens, topk, parents = routing(0, 40)
 
