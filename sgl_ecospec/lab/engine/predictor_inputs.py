@@ -36,16 +36,23 @@ def verified_context(chosen: StepSelection, valid: torch.Tensor) -> dict:
 
 
 def record_recall(
-    predictor: ExpertPredictor, chosen: StepSelection, valid: torch.Tensor, routing: torch.Tensor
+    predictor: ExpertPredictor,
+    chosen: StepSelection,
+    valid: torch.Tensor,
+    routing: torch.Tensor,
+    share_buffer: bool,
 ) -> None:
     """Adds a verify step to the predictor's :class:`LiveRecall` (attached on first use):
-    the recall on every verified row, and the new experts the verified candidates bring.
+    the recall on every verified row, and what the verified candidates added to the roots.
 
     Args:
-        chosen: the step's selection (its ``verify_predicted`` ``[B, 1 + S, L, K]``).
+        chosen: the step's selection (its ``verify_predicted`` ``[B, 1 + S, L, K]`` and the
+            roots' predicted bitmaps, the buffer selection started from).
         valid: bool ``[B, 1 + S]``: the verified rows (root first).
         routing: int ``[B, 1 + S, L, K]``: the target's routing of the verify rows.
+        share_buffer: one buffer for the batch (``SelectionOptions.share_buffer``).
     """
     live = LiveRecall.of(predictor, routing.device)
     live.update(chosen.verify_predicted[valid], routing[valid])
-    live.update_novel(routing, valid)
+    start = LiveRecall.start_buffer(chosen.bitmaps[:, 0], share_buffer)
+    live.update_novel(routing, valid, chosen.verify_predicted, start)
