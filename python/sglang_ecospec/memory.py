@@ -131,10 +131,8 @@ def buffer_bytes(
         + (layers * experts * _I64 if ep_placement else 0)  # ExpertPlacement.expert_rank
         # selector.root_context, verify_context; served_predictor.RootContext.tokens
         + ((2 * max_batch + rows) * _I64 if context else 0)
-        # LiveRecall ema, novel, precision and its steps, hits, rows, novel_steps; the
-        # selector's starting buffers
-        + (layers * (4 * _F32 + _F64) + _F64 + _F32 if live_recall else 0)
-        + (max_batch * layers * shape.words * _I64 if live_recall else 0)
+        # LiveRecall ema, novel, hits, rows, novel_steps
+        + (layers * (2 * _F32 + _F64) + _F64 + _F32 if live_recall else 0)
     )
 
 
@@ -201,11 +199,10 @@ def after_verify_bytes(
     if live_recall:  # LiveRecall.update: both ids as int64, two bitmaps, their overlap, counts
         recall = tokens * layers * (2 * top_k * _I64 + 3 * shape.words * _I64 + 4 * _F32)
         recall += tokens * (3 * _F32 + _BOOL) + 4 * layers * _F32
-        # update_novel: the rows' true and predicted multi-hots, the candidates' new ones and
-        # their products, the ids as int64, the roots' counts, the starting buffers' bits
-        recall += tokens * layers * (experts * (6 * _F32 + _BOOL) + 2 * top_k * _I64)
-        recall += batch * layers * (experts * (3 * _F32 + _BOOL) + shape.words * 64 * _I64)
-        recall += 10 * layers * (experts + 1) * _F32
+        # update_novel: the rows' multi-hot and its masked candidates, the roots' counts, the
+        # other roots' uses and their zero masks, the rows' ids as int64, per-layer sums
+        recall += tokens * layers * (experts * (2 * _F32 + _BOOL) + top_k * _I64)
+        recall += batch * layers * experts * (2 * _F32 + _BOOL) + 6 * layers * (experts + 1) * _F32
     return stats + max(observe, recall)  # the recall is measured and freed before observe
 
 

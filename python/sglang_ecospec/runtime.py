@@ -280,9 +280,7 @@ class EcoSpecRuntime:
             if self.selector.copy_rows is not None:  # a copy's experts are its original's
                 rows = rows & ~self.selector.copy_rows[: rows.shape[0]]
             by_request = routing_ids.clamp_min(0).view(*rows.shape, *routing_ids.shape[1:])
-            guessed = predicted.view(*rows.shape, *predicted.shape[1:])  # [B, D, L, K]
-            start = self.selector.start_buffer[: rows.shape[0]]
-            live.update_novel(by_request, rows, guessed, start)
+            live.update_novel(by_request, rows)
         if self.settings.learn and not self.predictor.needs_hidden:
             # Rows SGLang did not capture (counted above, logged on read) learn expert 0.
             learnt = routing_ids.clamp_min(0)

@@ -77,7 +77,6 @@ import logging
 
 import torch
 
-from sgl_ecospec.ops.bitmaps import num_words
 from sgl_ecospec.ops.selection import SelectionOptions
 from sgl_ecospec.predictors import ExpertPredictor, LiveRecall
 from sgl_ecospec.step import batch_index, fill_unused_slots, select_step, verify_rows
@@ -255,20 +254,10 @@ class EcoSpecSelector:
             self.verify_context = torch.full(
                 (max_batch * num_draft_tokens,), -1, dtype=torch.int64, device=device
             )
-        # The predictor's live recall, which the runtime updates after each verify, and the
-        # buffer each request's selection started from (what its candidates add is
-        # measured against it).
+        # The predictor's live recall, which the runtime updates after each verify.
         self.live_recall = None
-        self.start_buffer = None  # int64 [Bmax, L, W]
         if settings.recall_weighted_cost:
             self.live_recall = LiveRecall.of(predictor, device)
-            self.start_buffer = torch.zeros(
-                max_batch,
-                predictor.num_layers,
-                num_words(predictor.num_experts),
-                dtype=torch.int64,
-                device=device,
-            )
 
     @property
     def max_batch(self) -> int:
@@ -423,9 +412,6 @@ class EcoSpecSelector:
                 rows = verify_rows(index)  # [B, D]
                 context = step.context[batch_index(rows), rows]  # [B, D]
                 self.verify_context[:verified].copy_(context.flatten())
-            if self.start_buffer is not None:
-                start = LiveRecall.start_buffer(step.bitmaps[:, 0], self.options.share_buffer)
-                self.start_buffer[:batch].copy_(start)
             copies = None
             if adaptive:  # for the tree hook and the routing check after the verify
                 copies = copy_rows(index)  # [B, D]

@@ -18,20 +18,18 @@ class LiveRecall:
 
     Trust. With K predicted and K true experts per layer, a predicted expert is truly used
     with probability r_l (the layer's recall); ``w_l = (r_l - K/E) / (1 - K/E)`` is the
-    layer's trust (0 at chance, 1 for a perfect predictor, :meth:`layer_weights`). The
-    recall-weighted cost prices a candidate in layer l at ``p_l * predicted_new_l + n_l``,
-    both measured after every verify on the verified candidates (:meth:`update_novel`):
-    predicted_new_l counts its predicted experts outside the buffer selection started from,
-    p_l is the share of those that were truly new to the step (used by no root), and n_l its
-    truly new experts that were not predicted as new. Before any candidate was verified p_l
-    is the trust w_l and n_l is measured on the roots (each left out in turn, times
-    1 - w_l), starting at K (1 - K/E). Measuring both matters: real routing favours popular
-    experts, which the roots hold already, a candidate shares experts with its parent, and
-    a weak predictor's buffer misses much of what the roots really load, so its "new"
-    experts mostly are not (on the full testbed at batch 32 a candidate adds about 0.02 new
-    experts per layer). :meth:`delta_weights` gives p_l, :meth:`unpredicted_cost` the sum of
-    n_l, a cost every candidate pays alike; :meth:`weigh` applies both to a step's
-    selection. A cold predictor is trusted with nothing.
+    layer's trust (0 at chance, 1 for a perfect predictor, :meth:`layer_weights`). A
+    candidate's cost in layer l is then the shrinkage estimate
+    ``w_l * predicted_new_l + (1 - w_l) * n_l``: its predicted new experts as far as the
+    predictor is trusted, the rest the new experts a verified candidate really brings to its
+    step's roots, n_l, measured after every verify (:meth:`update_novel`). Under uniform
+    routing n_l would be K (1 - K / E)^B; real routing favours popular experts, which the
+    roots hold already, and a candidate shares experts with its parent, so it is measured,
+    starting at K (1 - K / E).
+    :meth:`unpredicted_cost` gives the second term summed over layers, a cost every
+    candidate pays alike; :meth:`weigh` applies both to a step's selection. The recall
+    starts at chance, so a cold predictor is trusted with nothing and selection sizes its
+    sets by the measured cost alone.
 
     Args:
         num_layers: L.
@@ -61,9 +59,6 @@ class LiveRecall:
         # n_l: the new experts a verified candidate brings to its step's roots [L]
         self.novel = torch.full_like(self.ema, top_k * (1.0 - self.chance))
         self.novel_steps = torch.zeros((), dtype=torch.float32, device=device)
-        # p_l: the share of predicted new experts that were truly new [L], and its steps
-        self.precision = torch.zeros_like(self.ema)
-        self.precision_steps = torch.zeros_like(self.ema)
         self.hits = torch.zeros(num_layers, dtype=torch.float64, device=device)  # [L]
         self.rows = torch.zeros((), dtype=torch.float64, device=device)
 
@@ -110,104 +105,56 @@ class LiveRecall:
 
     def layer_weights(self, base: torch.Tensor | None = None) -> torch.Tensor:
         """float32 ``[L]``: each layer's trust ``w_l`` in [0, 1] (times ``base`` ``[L]``, the
-        configured layer weights, when given)."""
+        configured layer weights, when given): DeltaCost's per-layer weights."""
         trust = (self.ema - self.chance) / max(1.0 - self.chance, 1e-12)
         trust = trust.clamp(0.0, 1.0)
         return trust if base is None else trust * base.to(trust)
 
-    def delta_weights(self, base: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 ``[L]``: DeltaCost's per-layer weights p_l (times ``base``): the measured
-        share of predicted new experts that were truly new, once candidates were verified;
-        the trust ``w_l`` before."""
-        measured = self.precision_steps > 0
-        share = torch.where(measured, self.precision, self.layer_weights())
-        return share if base is None else share * base.to(share)
-
     def unpredicted_cost(self, base: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 scalar tensor: the new experts a candidate brings beyond its predicted
-        ones, ``sum_l base_l n_l`` (``base`` float ``[L]`` or ones), in expert loads like
+        """float32 scalar tensor: the cost a candidate pays beyond its trusted predictions,
+        ``sum_l base_l (1 - w_l) n_l`` (``base`` float ``[L]`` or ones), in expert loads like
         DeltaCost; every candidate pays it alike, so it acts as eps."""
-        return (self.novel if base is None else self.novel * base.to(self.novel)).sum()
+        missed = (1.0 - self.layer_weights()) * self.novel  # [L]
+        return (missed if base is None else missed * base.to(missed)).sum()
 
-    @staticmethod
-    def start_buffer(root_experts: torch.Tensor, share_buffer: bool) -> torch.Tensor:
-        """int64 ``[B, L, W]``: the buffer each request's selection starts from: the union of
-        every root's predicted experts ``root_experts`` int64 ``[B, L, W]`` with
-        ``share_buffer`` (one buffer for the batch), else its own root's."""
-        if not share_buffer:
-            return root_experts
-        bits = torch.arange(64, device=root_experts.device)
-        present = ((root_experts[..., None] >> bits) & 1).amax(0)  # [L, W, 64]
-        # Distinct powers of two: the int64 sum wraps into bit 63 exactly as an OR would.
-        return (present << bits).sum(-1).expand_as(root_experts)
-
-    def update_novel(
-        self,
-        routing: torch.Tensor,
-        valid: torch.Tensor | None = None,
-        predicted: torch.Tensor | None = None,
-        start: torch.Tensor | None = None,
-    ) -> None:
-        """Adds one verify step to the cost of what a candidate adds to its step's roots, per
-        layer: p_l, the share of its predicted new experts (outside the buffer its selection
-        started from) that were truly new (used by no root of the step), and n_l, its truly
-        new experts that were not predicted as new, per verified candidate. A step without
-        candidates measures n_l on its roots instead, each left out in turn and times
-        (1 - w_l), so the measure never starves when selection verifies nothing. The first
-        steps are averaged (the weight of step n is max(rate, 1 / n)). No host sync.
+    def update_novel(self, routing: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Adds one verify step to n_l, the new experts a verified candidate really brings:
+        per layer, the mean over the step's verified candidates of their true experts that
+        no root of the step uses (the cost of adding each to a roots-only pass). A step
+        without candidates measures its roots instead, leaving each out in turn, so the
+        measure never starves when selection verifies nothing. The first steps are averaged
+        (the weight of step n is max(rate, 1 / n)), so the starting value is soon forgotten.
+        No host sync.
 
         Args:
             routing: int ``[B, R, L, K]``: the target's routing of the step's verify rows,
                 each request's root first (R = 1 + its verified candidates, padded).
             valid: bool ``[B, R]`` or None (all): rows that count (not padding, not copies,
                 captured).
-            predicted: int ``[B, R, L, K]`` or None: the experts predicted for those rows.
-            start: int64 ``[B, L, W]`` or None: the buffer each request's selection started
-                from (:meth:`start_buffer`); with ``predicted``.
         """
         device = self.novel.device
-        batch, rows, layers = routing.shape[:3]
-        experts = self.num_experts
+        batch, rows = routing.shape[:2]
         weight = torch.ones(batch, rows, device=device)
         if valid is not None:
             weight = valid.to(device, torch.float32)
-        mask = weight[:, :, None, None]
-
-        def multi_hot(ids):
-            hot = torch.zeros(batch, rows, layers, experts, device=device)
-            return hot.scatter_(3, ids.to(device).long(), 1.0) * mask  # [B, R, L, E]
-
-        true = multi_hot(routing)
-        root_counts = true[:, 0].sum(0)  # [L, E]: how many roots use each expert
-        true_new = true[:, 1:] * (root_counts == 0)  # [B, R-1, L, E]
-        predicted_new = torch.zeros_like(true_new)
-        if predicted is not None:
-            bits = torch.arange(64, device=device)
-            held = (start.to(device)[..., None] >> bits) & 1  # [B, L, W, 64]
-            held = held.flatten(2)[..., :experts].float()  # [B, L, E]
-            predicted_new = multi_hot(predicted)[:, 1:] * (1.0 - held[:, None])
+        multi = torch.zeros(batch, rows, routing.shape[2], self.num_experts, device=device)
+        multi.scatter_(3, routing.to(device).long(), 1.0)
+        multi *= weight[:, :, None, None]  # [B, R, L, E]
+        root_counts = multi[:, 0].sum(0)  # [L, E]: how many roots use each expert
         candidates = weight[:, 1:].sum()
-        unpredicted = (true_new * (1.0 - predicted_new)).sum((0, 1, 3))  # [L]
-        others = root_counts - true[:, 0]  # [B, L, E]: the other roots' uses
+        candidate_novel = (multi[:, 1:] * (root_counts == 0)).sum((0, 1, 3))  # [L]
+        others = root_counts - multi[:, 0]  # [B, L, E]: the other roots' uses
         roots = weight[:, 0].sum()
-        root_novel = (true[:, 0] * (others == 0)).sum((0, 2)) * (1.0 - self.layer_weights())
+        root_novel = (multi[:, 0] * (others == 0)).sum((0, 2))  # [L]
         step_novel = torch.where(
             candidates > 0,
-            unpredicted / candidates.clamp_min(1.0),
+            candidate_novel / candidates.clamp_min(1.0),
             root_novel / roots.clamp_min(1.0),
         )
         counted = (candidates + roots > 0).float()
         self.novel_steps += counted
         rate = torch.clamp(1.0 / self.novel_steps.clamp_min(1.0), min=self.rate)
         self.novel += (rate * counted) * (step_novel - self.novel)
-
-        guessed = predicted_new.sum((0, 1, 3))  # [L]
-        hits = (predicted_new * true_new).sum((0, 1, 3))
-        measured = (guessed > 0).float()
-        self.precision_steps += measured
-        rate = torch.clamp(1.0 / self.precision_steps.clamp_min(1.0), min=self.rate)
-        step_precision = hits / guessed.clamp_min(1.0)
-        self.precision += (rate * measured) * (step_precision - self.precision)
 
     def weigh(
         self,
@@ -217,11 +164,10 @@ class LiveRecall:
         host_eps: bool,
     ) -> tuple[SelectionOptions, torch.Tensor]:
         """A step's selection with DeltaCost trusting only what the predictor knows: each
-        layer weighted by the measured share of predicted new experts that are truly new
-        (:meth:`delta_weights`, times ``base``) and eps raised by the unpredicted cost U
-        (:meth:`unpredicted_cost`). A cold or useless predictor gets weight 0 and eps the
-        measured cost of a token: selection by confidence, sized by what tokens really
-        cost.
+        layer weighted by its trust (:meth:`layer_weights`, times ``base``) and eps raised by
+        the unpredicted cost U (:meth:`unpredicted_cost`). A cold or useless predictor gets
+        weight 0 and eps the measured cost of a token: selection by confidence, sized by
+        what tokens really cost.
 
         Args:
             options: the step's selection options.
@@ -237,7 +183,7 @@ class LiveRecall:
             float32 ``[L]``.
         """
         unpredicted = self.unpredicted_cost(base)
-        weights = self.delta_weights(base)
+        weights = self.layer_weights(base)
         if host_eps:
             return options.with_eps(options.eps + float(unpredicted)), weights
         return options, weights * (options.eps / (options.eps + unpredicted))

@@ -85,8 +85,7 @@ def test_cold_trust_selects_as_confidence_and_full_trust_as_ecospec(seed):
         ).selected
         assert torch.equal(got, confidence)
 
-    live.ema.fill_(1.0)  # a perfect predictor is trusted fully and misses nothing
-    live.novel.zero_()
+    live.ema.fill_(1.0)  # a perfect predictor is trusted fully
     trusted, weights = live.weigh(options, None, host_eps=True)
     assert trusted.eps == pytest.approx(0.1) and weights.tolist() == [1.0] * L
     got = select_step(predictor, tokens, scores, parents, 3, options, live_recall=live).selected

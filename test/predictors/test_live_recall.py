@@ -4,7 +4,6 @@ selection derives from it."""
 import pytest
 import torch
 
-from sgl_ecospec.ops.bitmaps import topk_to_bitmap
 from sgl_ecospec.predictors import LiveRecall, OnlineExpertPredictor, topk_recall
 
 L, E, K = 3, 16, 4
@@ -61,11 +60,10 @@ def test_trust_starts_at_zero_and_follows_recall():
 
 
 def test_novel_experts_of_the_verified_candidates():
-    """n_l, the experts a verified candidate brings that no root of its step uses and that
-    were not predicted new: K (1 - K / E) when cold; measured on the candidates (0 when they
-    use the roots' experts, K when each uses new ones); on the roots, each left out in turn,
-    in a step without candidates; averaged over the first steps, so one step replaces the
-    starting value. p_l, the share of predicted new experts that were new."""
+    """n_l, the experts a verified candidate brings that no root of its step uses: K (1 -
+    K / E) when cold; measured on the candidates (0 when they use the roots' experts, K when
+    each uses new ones); on the roots, each left out in turn, in a step without candidates;
+    averaged over the first steps, so one step replaces the starting value."""
     live = LiveRecall(L, E, K, rate=0.05)
     assert live.novel.tolist() == pytest.approx([K * (1 - K / E)] * L)
     assert float(live.unpredicted_cost()) == pytest.approx(L * K * (1 - K / E))  # cold
@@ -98,29 +96,9 @@ def test_novel_experts_of_the_verified_candidates():
     twins.update_novel(torch.cat([roots, new], 1), torch.zeros(2, 3, dtype=torch.bool))
     assert torch.equal(twins.novel, before)
 
-    # A predictor that foresaw exactly the new experts: they are predicted new (outside the
-    # roots' predicted buffer) and truly new, so p is 1 and nothing is left unpredicted.
-    seer = LiveRecall(L, E, K)
-    assert torch.equal(seer.delta_weights(), seer.layer_weights())  # before any candidate
-    start = topk_to_bitmap(torch.arange(K).expand(2, L, K), E)  # the roots' experts
-    routing = torch.cat([roots, new], 1)
-    seer.update_novel(routing, None, routing, start)
-    assert seer.delta_weights().tolist() == [1.0] * L and seer.novel.tolist() == [0.0] * L
-    assert float(seer.unpredicted_cost()) == 0.0
-    # One that calls the roots' own experts new (its buffer missed them): none was new.
-    blind = LiveRecall(L, E, K)
-    empty = torch.zeros_like(start)
-    blind.update_novel(torch.cat([roots, echo], 1), None, torch.cat([roots, echo], 1), empty)
-    assert blind.delta_weights().tolist() == [0.0] * L
-
-
-def test_start_buffer_is_the_union_of_the_roots_or_each_root():
-    ids = torch.tensor([[[0, 63]], [[64, 127]], [[5, 100]]])  # 3 roots, 1 layer, 128 experts
-    roots = topk_to_bitmap(ids, 128)
-    union = LiveRecall.start_buffer(roots, True)
-    assert union.shape == roots.shape
-    assert all(torch.equal(u, roots[0] | roots[1] | roots[2]) for u in union)
-    assert LiveRecall.start_buffer(roots, False) is roots
+    # A trusted layer's measured cost counts only as far as it is not trusted.
+    fresh.ema.fill_(1.0)
+    assert float(fresh.unpredicted_cost()) == pytest.approx(0.0)
 
 
 def test_of_attaches_one_tracker_per_predictor():

@@ -313,7 +313,7 @@ class OfflineEngine:
         batch = batch_index(selected)
         rows = verify_rows(selected)
         recall = topk_recall(chosen.verify_predicted[verify.valid], routing, self.num_experts)
-        record_recall(predictor, chosen, verify.valid, out.routing, spec.share_buffer)
+        record_recall(predictor, chosen, verify.valid, out.routing)
         row_hidden = None if hidden is None else hidden[batch, rows][verify.valid]  # [verified, H]
         context = verified_context(chosen, verify.valid)  # the rows' parent tokens, if read
         predictor.observe(

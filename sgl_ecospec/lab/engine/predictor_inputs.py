@@ -36,23 +36,16 @@ def verified_context(chosen: StepSelection, valid: torch.Tensor) -> dict:
 
 
 def record_recall(
-    predictor: ExpertPredictor,
-    chosen: StepSelection,
-    valid: torch.Tensor,
-    routing: torch.Tensor,
-    share_buffer: bool,
+    predictor: ExpertPredictor, chosen: StepSelection, valid: torch.Tensor, routing: torch.Tensor
 ) -> None:
     """Adds a verify step to the predictor's :class:`LiveRecall` (attached on first use):
-    the recall on every verified row, and what the verified candidates added to the roots.
+    the recall on every verified row, and the new experts the verified candidates bring.
 
     Args:
-        chosen: the step's selection (its ``verify_predicted`` ``[B, 1 + S, L, K]`` and the
-            roots' predicted bitmaps, the buffer selection started from).
+        chosen: the step's selection (its ``verify_predicted`` ``[B, 1 + S, L, K]``).
         valid: bool ``[B, 1 + S]``: the verified rows (root first).
         routing: int ``[B, 1 + S, L, K]``: the target's routing of the verify rows.
-        share_buffer: one buffer for the batch (``SelectionOptions.share_buffer``).
     """
     live = LiveRecall.of(predictor, routing.device)
     live.update(chosen.verify_predicted[valid], routing[valid])
-    start = LiveRecall.start_buffer(chosen.bitmaps[:, 0], share_buffer)
-    live.update_novel(routing, valid, chosen.verify_predicted, start)
+    live.update_novel(routing, valid)
