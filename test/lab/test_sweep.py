@@ -315,7 +315,9 @@ def test_sweep_report_schema_and_plot(fitted_report):
         "ecospec_ep_lowers_busiest_rank",
         "ecospec_expert_reduction_paired",
         "ecospec_ep_lowers_busiest_rank_paired",
+        "adaptive_above_evict_paired",
     }
+    assert rep["checks"]["adaptive_above_evict_paired"]["passed"] is None  # not --paired
     printed = sweep_report.format_tables(rep)
     assert "# measured on the testbed" in printed and "# bars" in printed
     assert "predicted for gpt-oss-120b on 4xh200 (EP 4)" in printed
