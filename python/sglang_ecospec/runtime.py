@@ -271,23 +271,23 @@ class EcoSpecRuntime:
         self.stats.update(routing_ids, predicted)
         if self.copy_check is not None:
             self.copy_check.update(routing_ids, self.selector.copy_rows.flatten()[:count])
+        # Rows SGLang did not capture (counted above, logged on read) read as expert 0; the
+        # live recall leaves them out, the predictor learns them.
+        known = routing_ids.clamp_min(0)  # [T, L, K]
         live = self.selector.live_recall
         if live is not None:  # the recall-weighted cost's trust, from captured rows only
             captured = routing_ids.amin((1, 2)) >= 0  # [T]
-            live.update(predicted.long(), routing_ids.clamp_min(0), captured)
+            live.update(predicted.long(), known, captured)
             per_request = self.selector.num_draft_tokens  # rows of a request: root first
             rows = captured.view(-1, per_request)  # [B, D]
             if self.selector.copy_rows is not None:  # a copy's experts are its original's
                 rows = rows & ~self.selector.copy_rows[: rows.shape[0]]
-            by_request = routing_ids.clamp_min(0).view(*rows.shape, *routing_ids.shape[1:])
-            live.update_novel(by_request, rows)
+            live.update_novel(known.view(*rows.shape, *known.shape[1:]), rows)
         if self.settings.learn and not self.predictor.needs_hidden:
-            # Rows SGLang did not capture (counted above, logged on read) learn expert 0.
-            learnt = routing_ids.clamp_min(0)
             context = {}
             if self.selector.verify_context is not None:
                 context = {"context_tokens": self.selector.verify_context[:count]}
-            self.predictor.observe(tokens.flatten(), learnt, validate=False, **context)
+            self.predictor.observe(tokens.flatten(), known, validate=False, **context)
         accept_index = getattr(result, "accept_index", None)
         if self.acceptance is not None and self.acceptance.accepts(accept_index, count):
             self.acceptance.after_verify(accept_index)  # forecast counted, then learnt
