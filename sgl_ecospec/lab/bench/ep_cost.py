@@ -190,13 +190,10 @@ def predicted_speedup(
         steps (ratio estimator, steps taken as independent), over the greedy rate; a
         measure of how much the speedup moves with the sample of steps.
     """
-    batch = np.asarray([s.batch_size for s in spec_steps], dtype=np.float64)
-    overhead = num_draft_steps * np.asarray(perf.draft_time(batch), dtype=np.float64)
-    overhead = overhead + np.asarray(perf.reject_time(batch), dtype=np.float64)
-    seconds = spec.seconds + overhead  # [S]
+    seconds = spec.seconds + _step_overhead(spec_steps, perf, num_draft_steps)  # [S]
     generated = np.asarray([len(s.accepted) + sum(s.accepted) for s in spec_steps], np.float64)
     rate = generated.sum() / seconds.sum()
-    ar_rate = sum(s.verified_tokens for s in ar_steps) / float(ar.seconds.sum())
+    ar_rate = _greedy_rate(ar_steps, ar)
     n = len(spec_steps)
     residual = generated - rate * seconds
     stderr = np.sqrt((residual**2).sum() * n / (n - 1)) / seconds.sum() if n > 1 else 0.0
@@ -234,9 +231,8 @@ def paired_speedup(
     """
     bitmaps = torch.stack([s.paired_bitmaps for s in steps])  # [S, 2, L, W]
     batch = np.asarray([s.batch_size for s in steps], dtype=np.float64)
-    overhead = num_draft_steps * np.asarray(perf.draft_time(batch), dtype=np.float64)
-    overhead = overhead + np.asarray(perf.reject_time(batch), dtype=np.float64)
-    ar_rate = sum(s.verified_tokens for s in ar_steps) / float(ar.seconds.sum())
+    overhead = _step_overhead(steps, perf, num_draft_steps)
+    ar_rate = _greedy_rate(ar_steps, ar)
     rates, residuals = [], []
     for j in range(2):
         unique = busiest_rank_loads(bitmaps[:, j], num_experts, 1)  # [S, L]
@@ -259,3 +255,16 @@ def paired_speedup(
         "difference": float((rates[0] - rates[1]) / ar_rate),
         "stderr": stderr / ar_rate,
     }
+
+
+def _step_overhead(steps: Sequence, perf: PerformanceModel, num_draft_steps: int) -> np.ndarray:
+    """float64 ``[S]``: each speculative step's seconds besides its target pass: drafting
+    (``num_draft_steps`` x draft_time(B)) and accept/reject (reject_time(B))."""
+    batch = np.asarray([s.batch_size for s in steps], dtype=np.float64)
+    overhead = num_draft_steps * np.asarray(perf.draft_time(batch), dtype=np.float64)
+    return overhead + np.asarray(perf.reject_time(batch), dtype=np.float64)
+
+
+def _greedy_rate(ar_steps: Sequence, ar: PricedSteps) -> float:
+    """Tokens per predicted second of the greedy run (no speculation)."""
+    return sum(s.verified_tokens for s in ar_steps) / float(ar.seconds.sum())
