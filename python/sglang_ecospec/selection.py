@@ -41,8 +41,8 @@ in a persistent buffer, so the predictor's recall is measured on what selection 
 Recall-weighted cost (setting ``recall_weighted_cost``): DeltaCost trusts only what the
 predictor knows, as the offline engine's: each layer's trust from the predictor's
 :class:`sgl_ecospec.predictors.LiveRecall` (fed after every verify by the runtime) and the
-cost of what it does not know (the new experts a verified candidate really brings to its
-step's roots, measured after each verify) added to eps, folded into the layer weights on
+cost of what it does not know (the new experts verified candidates really add to their
+step's roots, per candidate, measured after each verify) added to eps, folded into the layer weights on
 the device (``LiveRecall.weigh`` without ``host_eps``) so that nothing is read on the host.
 
 Calibrated acceptance (setting ``calibrated_acceptance``, :mod:`sglang_ecospec.acceptance`):

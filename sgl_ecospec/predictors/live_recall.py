@@ -22,7 +22,7 @@ class LiveRecall:
     candidate's cost in layer l is then the shrinkage estimate
     ``w_l * predicted_new_l + (1 - w_l) * n_l``: its predicted new experts as far as the
     predictor is trusted, the rest the new experts a verified candidate really brings to its
-    step's roots, n_l, measured after every verify (:meth:`update_novel`). Under uniform
+    step's verify pass, n_l, measured after every verify (:meth:`update_novel`). Under uniform
     routing n_l would be K (1 - K / E)^B; real routing favours popular experts, which the
     roots hold already, and a candidate shares experts with its parent, so it is measured,
     starting at K (1 - K / E).
@@ -56,7 +56,7 @@ class LiveRecall:
         self.rate = float(rate)
         self.chance = top_k / num_experts
         self.ema = torch.full((num_layers,), self.chance, dtype=torch.float32, device=device)
-        # n_l: the new experts a verified candidate brings to its step's roots [L]
+        # n_l: the new experts a verified candidate adds to its step's verify pass [L]
         self.novel = torch.full_like(self.ema, top_k * (1.0 - self.chance))
         self.novel_steps = torch.zeros((), dtype=torch.float32, device=device)
         self.hits = torch.zeros(num_layers, dtype=torch.float64, device=device)  # [L]
@@ -119,8 +119,8 @@ class LiveRecall:
 
     def update_novel(self, routing: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Adds one verify step to n_l, the new experts a verified candidate really brings:
-        per layer, the mean over the step's verified candidates of their true experts that
-        no root of the step uses (the cost of adding each to a roots-only pass). A step
+        per layer, the true experts the step's verified candidates add to the roots' union,
+        divided by the number of candidates (their average marginal cost in the pass). A step
         without candidates measures its roots instead, leaving each out in turn, so the
         measure never starves when selection verifies nothing. The first steps are averaged
         (the weight of step n is max(rate, 1 / n)), so the starting value is soon forgotten.
@@ -142,7 +142,11 @@ class LiveRecall:
         multi *= weight[:, :, None, None]  # [B, R, L, E]
         root_counts = multi[:, 0].sum(0)  # [L, E]: how many roots use each expert
         candidates = weight[:, 1:].sum()
-        candidate_novel = (multi[:, 1:] * (root_counts == 0)).sum((0, 1, 3))  # [L]
+        # The experts the candidates add to the roots' union, shared out among them: a
+        # candidate's average marginal cost in this pass, which is what the pass is priced
+        # by (candidates of one step often share the experts no root uses).
+        candidate_union = multi[:, 1:].sum((0, 1)) > 0  # [L, E]
+        candidate_novel = (candidate_union & (root_counts == 0)).sum(1).float()  # [L]
         others = root_counts - multi[:, 0]  # [B, L, E]: the other roots' uses
         roots = weight[:, 0].sum()
         root_novel = (multi[:, 0] * (others == 0)).sum((0, 2))  # [L]

@@ -12,6 +12,7 @@ import torch
 
 from sgl_ecospec import select_verify_set
 from sgl_ecospec.costmodel import get_model, selection_cost
+from sgl_ecospec.costmodel.scaling import scale_unique_experts
 from sgl_ecospec.lab.bench import ep_cost, peers, sweep, sweep_plan, sweep_report
 from sgl_ecospec.lab.bench.runs import performance_model
 from sgl_ecospec.lab.config import SweepConfig
@@ -57,6 +58,17 @@ def test_testbed_expert_weight():
         for u in (8.0, 30.0, 50.0)
     ]
     assert weights == sorted(weights) and weights[-1] > 2 * weights[0]
+    # The weight is the pricing's own exchange rate: the derivative of the profile's union
+    # (scale_unique_experts, what the run is priced on) by the testbed's at the roots' union.
+    for union in (20.0, 57.9):
+        h = 1e-4
+        scaled = [
+            scale_unique_experts(u, num_experts=64, top_k=8, profile=QWEN3)
+            for u in (union - h, union + h)
+        ]
+        assert sweep_plan.testbed_expert_weight(
+            union, 64, num_experts=64, top_k=8, profile=QWEN3
+        ) == pytest.approx((scaled[1] - scaled[0]) / (2 * h), rel=1e-5)
     # The roots' effective tokens never exceed the batch: a union wider than uniform
     # routing at batch 1 is treated as batch 1.
     assert sweep_plan.testbed_expert_weight(

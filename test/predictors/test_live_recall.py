@@ -60,9 +60,9 @@ def test_trust_starts_at_zero_and_follows_recall():
 
 
 def test_novel_experts_of_the_verified_candidates():
-    """n_l, the experts a verified candidate brings that no root of its step uses: K (1 -
-    K / E) when cold; measured on the candidates (0 when they use the roots' experts, K when
-    each uses new ones); on the roots, each left out in turn, in a step without candidates;
+    """n_l, the experts the verified candidates add to their step's roots, per candidate:
+    K (1 - K / E) when cold; measured on the candidates (0 when they use the roots' experts,
+    K when each uses new ones of its own, shared when they use the same new ones); on the roots, each left out in turn, in a step without candidates;
     averaged over the first steps, so one step replaces the starting value."""
     live = LiveRecall(L, E, K, rate=0.05)
     assert live.novel.tolist() == pytest.approx([K * (1 - K / E)] * L)
@@ -78,6 +78,10 @@ def test_novel_experts_of_the_verified_candidates():
     valid = torch.tensor([[True, True, False], [True, False, False]])
     fresh.update_novel(torch.cat([roots, new], 1), valid)
     assert fresh.novel.tolist() == [float(K)] * L
+    # Candidates that bring the same new experts share their cost: 4 candidates, K new.
+    shared = LiveRecall(L, E, K)
+    shared.update_novel(torch.cat([roots, new], 1))
+    assert shared.novel.tolist() == pytest.approx([K / 4] * L)
 
     # No candidate verified: the roots, each left out in turn.
     lone = LiveRecall(L, E, K)

@@ -3,9 +3,6 @@ each policy runs with at each batch size (``sgl-ecospec sweep``, docs/bench.md).
 
 import math
 
-import numpy as np
-
-from sgl_ecospec.costmodel import formulas
 from sgl_ecospec.costmodel.scaling import effective_tokens
 from sgl_ecospec.lab.bench import ep_cost, peers
 from sgl_ecospec.lab.bench.runs import performance_model
@@ -39,15 +36,16 @@ def ep_hardware(hardware: str, ep_size: int) -> str:
 def testbed_expert_weight(
     root_union: float, batch: int, *, num_experts: int, top_k: int, profile
 ) -> float:
-    """Profile experts one testbed expert stands for where selection prices its first
-    candidates.
+    """Profile experts one testbed expert stands for where selection prices its candidates.
 
-    The secant of the effective-token scaling between the roots' union (t0 effective
-    tokens, from ``root_union``, at most ``batch``) and one more token per root
-    (t1 = 2 t0): (N_p(t1) - N_p(t0)) / (N_t(t1) - N_t(t0)). The testbed saturates sooner
-    than a larger profile, so the ratio grows with the tokens; a secant over a whole
-    verify pass overprices the first candidates (by about half at batch 4 on Qwen3), which
-    are the ones a size-choosing rule weighs. 1 when the profile has the testbed's shape.
+    The pricing maps a testbed union u to the profile's through the effective tokens
+    (``scale_unique_experts``: u_p = N_p(t_eff(u))), so one more testbed expert at the
+    roots' union costs dN_p / dN_t = N_p'(t0) / N_t'(t0), the ratio of the two
+    uniform-routing curves' slopes at the roots' effective tokens t0. That is the exchange
+    rate of the candidates' marginal experts. A secant (to 2 t0, or over a whole verify
+    pass) overprices them, about twice at batch 32 on Qwen3, because the testbed saturates
+    sooner than a larger profile and the ratio grows with the tokens. The weight is 1 when
+    the profile has the testbed's shape.
 
     Args:
         root_union: the testbed's distinct experts per layer of a greedy step at ``batch``
@@ -57,11 +55,15 @@ def testbed_expert_weight(
         profile: the model profile (``num_experts``, ``top_k``).
     """
     t0 = min(float(effective_tokens(root_union, num_experts, top_k)), float(batch))
-    t = np.array([t0, 2 * t0])
-    testbed = np.asarray(formulas.expected_unique_experts(t, num_experts, top_k))
-    scaled = np.asarray(formulas.expected_unique_experts(t, profile.num_experts, profile.top_k))
+    testbed = _union_slope(t0, num_experts, top_k)
     # A testbed saturated at the roots adds no experts (DeltaCost 0), so any weight does.
-    return float((scaled[1] - scaled[0]) / max(testbed[1] - testbed[0], 1e-12))
+    return _union_slope(t0, profile.num_experts, profile.top_k) / max(testbed, 1e-300)
+
+
+def _union_slope(t: float, num_experts: int, top_k: int) -> float:
+    """dN/dt of the uniform-routing union N(t) = E (1 - (1 - K/E)^t)."""
+    log_miss = math.log1p(-top_k / num_experts)
+    return -num_experts * log_miss * math.exp(t * log_miss)
 
 
 def selection_configs(cfg: SweepConfig, batch: int, root_union: float, testbed: dict) -> dict:

@@ -31,9 +31,8 @@ METHOD = {
     "selection": (
         "eps (and adaptive's step_cost) from costmodel.selection_cost of the primary profile "
         "at each batch size; every testbed layer weighs moe_layers / L_t times the profile "
-        "experts one testbed expert stands for between the roots' union and one more token "
-        "per root (secant of the effective-token scaling, where the first candidates are "
-        "priced); with --recall-weighted-cost the expert-aware policies trust predictions by "
+        "experts one testbed expert stands for at the roots' union (the slope ratio of the "
+        "effective-token scaling, the pricing's own exchange rate there); with --recall-weighted-cost the expert-aware policies trust predictions by "
         "the predictor's live recall and price the rest by the new experts verified "
         "candidates really brought (LiveRecall)"
     ),
