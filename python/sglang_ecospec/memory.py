@@ -199,10 +199,12 @@ def after_verify_bytes(
     if live_recall:  # LiveRecall.update: both ids as int64, two bitmaps, their overlap, counts
         recall = tokens * layers * (2 * top_k * _I64 + 3 * shape.words * _I64 + 4 * _F32)
         recall += tokens * (3 * _F32 + _BOOL) + 4 * layers * _F32
-        # update_novel: the rows' multi-hot and its masked candidates, the roots' counts, the
-        # other roots' uses and their zero masks, the rows' ids as int64, per-layer sums
-        recall += tokens * layers * (experts * (2 * _F32 + _BOOL) + top_k * _I64)
-        recall += batch * layers * experts * (2 * _F32 + _BOOL) + 6 * layers * (experts + 1) * _F32
+        # update_novel: the rows' multi-hot and their ids as int64; per request the other
+        # roots' counts, then their union and its masks, and under EP the int64 copy the rank
+        # loads are counted from and the loads; per-layer sums
+        recall += tokens * layers * (experts * _F32 + top_k * _I64)
+        recall += batch * layers * experts * (_F32 + 3 * _BOOL + 2 * _I64)
+        recall += 6 * layers * (experts + 1) * _F32
     return stats + max(observe, recall)  # the recall is measured and freed before observe
 
 

@@ -282,7 +282,13 @@ class EcoSpecRuntime:
             rows = captured.view(-1, per_request)  # [B, D]
             if self.selector.copy_rows is not None:  # a copy's experts are its original's
                 rows = rows & ~self.selector.copy_rows[: rows.shape[0]]
-            live.update_novel(known.view(*rows.shape, *known.shape[1:]), rows)
+            placement = self.selector.placement  # n in the units of the EP cost
+            live.update_novel(
+                known.view(*rows.shape, *known.shape[1:]),
+                rows,
+                placement=placement,
+                total_weight=None if placement is None else self.selector.options.total_weight,
+            )
         if self.settings.learn and not self.predictor.needs_hidden:
             context = {}
             if self.selector.verify_context is not None:

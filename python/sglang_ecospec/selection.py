@@ -42,8 +42,9 @@ Recall-weighted cost (setting ``recall_weighted_cost``): DeltaCost trusts only w
 predictor knows, as the offline engine's: each layer's trust from the predictor's
 :class:`sgl_ecospec.predictors.LiveRecall` (fed after every verify by the runtime) and the
 cost of what it does not know (the new experts verified candidates really add to their
-step's roots, per candidate, measured after each verify) added to eps, folded into the layer weights on
-the device (``LiveRecall.weigh`` without ``host_eps``) so that nothing is read on the host.
+step's roots, per candidate, measured after each verify) added to eps, folded into the
+layer weights on the device (``LiveRecall.weigh`` without ``host_eps``) so that nothing is
+read on the host.
 
 Calibrated acceptance (setting ``calibrated_acceptance``, :mod:`sglang_ecospec.acceptance`):
 with policy "ecospec" the scores handed to ``select_step`` are the calibrated acceptance

@@ -117,7 +117,14 @@ class LiveRecall:
         missed = (1.0 - self.layer_weights()) * self.novel  # [L]
         return (missed if base is None else missed * base.to(missed)).sum()
 
-    def update_novel(self, routing: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+    def update_novel(
+        self,
+        routing: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        *,
+        placement=None,
+        total_weight: float | None = None,
+    ) -> None:
         """Adds one verify step to n_l, the new experts a verified candidate really brings:
         per layer, the true experts the step's verified candidates add to the roots' union,
         divided by the number of candidates (their average marginal cost in the pass). A step
@@ -126,11 +133,19 @@ class LiveRecall:
         (the weight of step n is max(rate, 1 / n)), so the starting value is soon forgotten.
         No host sync.
 
+        With an EP placement the experts are counted as selection's EP DeltaCost counts
+        them: the rise of the busiest rank's expert count plus ``total_weight`` times the
+        rise on the other ranks, so that n_l is in the units of the DeltaCost it joins.
+
         Args:
             routing: int ``[B, R, L, K]``: the target's routing of the step's verify rows,
                 each request's root first (R = 1 + its verified candidates, padded).
             valid: bool ``[B, R]`` or None (all): rows that count (not padding, not copies,
                 captured).
+            placement: the EP placement selection prices with (``expert_rank`` int64 ``[E]``
+                or ``[L, E]``, ``num_ranks``), or None (every expert alike).
+            total_weight: weight of the experts off the busiest rank, in [0, 1]; None for
+                1 / num_ranks, as ``select_verify_set``. Only with ``placement``.
         """
         device = self.novel.device
         batch, rows = routing.shape[:2]
@@ -141,15 +156,17 @@ class LiveRecall:
         multi.scatter_(3, routing.to(device).long(), 1.0)
         multi *= weight[:, :, None, None]  # [B, R, L, E]
         root_counts = multi[:, 0].sum(0)  # [L, E]: how many roots use each expert
+        root_union = root_counts > 0
         candidates = weight[:, 1:].sum()
         # The experts the candidates add to the roots' union, shared out among them: a
         # candidate's average marginal cost in this pass, which is what the pass is priced
         # by (candidates of one step often share the experts no root uses).
-        candidate_union = multi[:, 1:].sum((0, 1)) > 0  # [L, E]
-        candidate_novel = (candidate_union & (root_counts == 0)).sum(1).float()  # [L]
-        others = root_counts - multi[:, 0]  # [B, L, E]: the other roots' uses
+        pass_union = root_union | (multi[:, 1:].sum((0, 1)) > 0)  # [L, E]
+        cost = _UnionCost(placement, total_weight, device)
+        candidate_novel = cost.added(pass_union, root_union)  # [L]
+        others = (root_counts - multi[:, 0]) > 0  # [B, L, E]: the other roots' union
         roots = weight[:, 0].sum()
-        root_novel = (multi[:, 0] * (others == 0)).sum((0, 2))  # [L]
+        root_novel = cost.added(root_union.expand_as(others), others).sum(0)  # [L]
         step_novel = torch.where(
             candidates > 0,
             candidate_novel / candidates.clamp_min(1.0),
@@ -201,3 +218,33 @@ class LiveRecall:
         """Cumulative recall per layer over every row seen (a host sync), or None."""
         rows = float(self.rows)
         return (self.hits / rows).tolist() if rows else None
+
+
+class _UnionCost:
+    """What growing one layer's expert union costs, in selection's DeltaCost units: the
+    experts added, or with an EP placement the busiest rank's rise plus ``total_weight``
+    times the rest (``select_verify_set``'s EP cost)."""
+
+    def __init__(self, placement, total_weight: float | None, device: torch.device):
+        self.rank = None
+        if placement is None:
+            if total_weight is not None:
+                raise ValueError("total_weight needs placement (the expert -> EP rank map)")
+            return
+        self.num_ranks = check_int("num_ranks", placement.num_ranks, minimum=1)
+        self.rank = placement.expert_rank.to(device).long()
+        self.total_weight = 1.0 / self.num_ranks if total_weight is None else float(total_weight)
+
+    def added(self, grown: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        """float32 ``[..., L]``: the cost of ``grown`` over ``base`` (bool ``[..., L, E]``,
+        ``base`` within ``grown``)."""
+        count = (grown & ~base).sum(-1).float()
+        if self.rank is None:
+            return count
+        rise = (self._loads(grown).amax(-1) - self._loads(base).amax(-1)).float()
+        return rise + self.total_weight * (count - rise)
+
+    def _loads(self, union: torch.Tensor) -> torch.Tensor:
+        """int64 ``[..., L, R]``: experts of ``union`` (bool ``[..., L, E]``) per rank."""
+        out = torch.zeros(*union.shape[:-1], self.num_ranks, dtype=torch.int64, device=union.device)
+        return out.scatter_add_(-1, self.rank.expand(union.shape), union.long())

@@ -4,7 +4,10 @@ selection derives from it."""
 import pytest
 import torch
 
+from sgl_ecospec.ops.bitmaps import topk_to_bitmap
+from sgl_ecospec.ops.selection_reference import _delta_cost
 from sgl_ecospec.predictors import LiveRecall, OnlineExpertPredictor, topk_recall
+from sgl_ecospec.step import Placement
 
 L, E, K = 3, 16, 4
 
@@ -62,8 +65,9 @@ def test_trust_starts_at_zero_and_follows_recall():
 def test_novel_experts_of_the_verified_candidates():
     """n_l, the experts the verified candidates add to their step's roots, per candidate:
     K (1 - K / E) when cold; measured on the candidates (0 when they use the roots' experts,
-    K when each uses new ones of its own, shared when they use the same new ones); on the roots, each left out in turn, in a step without candidates;
-    averaged over the first steps, so one step replaces the starting value."""
+    K when each uses new ones of its own, shared when they use the same new ones); on the
+    roots, each left out in turn, in a step without candidates; averaged over the first
+    steps, so one step replaces the starting value."""
     live = LiveRecall(L, E, K, rate=0.05)
     assert live.novel.tolist() == pytest.approx([K * (1 - K / E)] * L)
     assert float(live.unpredicted_cost()) == pytest.approx(L * K * (1 - K / E))  # cold
@@ -103,6 +107,29 @@ def test_novel_experts_of_the_verified_candidates():
     # A trusted layer's measured cost counts only as far as it is not trusted.
     fresh.ema.fill_(1.0)
     assert float(fresh.unpredicted_cost()) == pytest.approx(0.0)
+
+
+def test_novel_experts_in_the_units_of_the_ep_cost():
+    """With an EP placement n_l is what selection's EP DeltaCost charges for the same
+    experts: the busiest rank's rise plus total_weight times the other ranks' rise."""
+    ranks = torch.arange(E) // (E // 4)  # 4 ranks, contiguous
+    placement = Placement(ranks, 4)
+    for seed in range(5):
+        routing = random_routing(seed, 4).view(2, 2, L, K)  # 2 requests: root, candidate
+        candidate = routing[:1, 1:]  # one candidate, request 0's
+        roots = routing[:, :1]
+        live = LiveRecall(L, E, K)
+        valid = torch.tensor([[True, True], [True, False]])
+        live.update_novel(routing, valid, placement=placement, total_weight=0.3)
+        buffer = topk_to_bitmap(roots, E).squeeze(1)  # [2, L, W]
+        buffer = buffer[0] | buffer[1]
+        bits = topk_to_bitmap(candidate, E)  # [1, 1, L, W]
+        for layer in range(L):
+            only = torch.eye(L, dtype=torch.float64)[layer]  # DeltaCost of this layer alone
+            want = _delta_cost(bits, buffer[None], only, (ranks.expand(L, E), 4, 0.3))
+            assert float(live.novel[layer]) == pytest.approx(float(want))
+    with pytest.raises(ValueError, match="total_weight needs placement"):
+        LiveRecall(L, E, K).update_novel(routing, total_weight=0.5)
 
 
 def test_of_attaches_one_tracker_per_predictor():

@@ -20,7 +20,12 @@ __all__ = [
 ]
 
 # With --paired: the policy each run's steps also score (the one it is measured against).
-PAIRED_AGAINST = {"ecospec": "confidence", "ecospec-ep": "ecospec", "adaptive": "evict"}
+PAIRED_AGAINST = {
+    "ecospec": "confidence",
+    "ecospec-ep": "ecospec",
+    "adaptive": "evict",
+    "adaptive-ep": "evict",
+}
 
 
 def prompts_per_batch_size(batch: int, num_prompts: int) -> int:
@@ -128,13 +133,17 @@ def selection_configs(cfg: SweepConfig, batch: int, root_union: float, testbed: 
     ranks = max(cfg.ep_sizes)
     if ranks > 1:
         perf_ep = performance_model(cfg.profiles[0], ep_hardware(cfg.hardware, ranks))
-        cost_ep = selection_cost(perf_ep, batch, budget + 1, ep_size=ranks)
+        cost_ep = selection_cost(perf_ep, batch, budget + 1, draft_steps=cfg.steps, ep_size=ranks)
         placement = ep_cost.contiguous_expert_rank(testbed["num_experts"], ranks)
-        configs["ecospec-ep"] = {
-            **configs["ecospec"],
+        ep = {"expert_rank": tuple(placement.tolist()), "num_ranks": ranks}
+        configs["ecospec-ep"] = {**configs["ecospec"], "eps": cost_ep.eps, **ep}
+        # ECOSPEC as a server on the R-GPU group runs it: the EP cost and that group's times.
+        configs["adaptive-ep"] = {
+            **configs["adaptive"],
             "eps": cost_ep.eps,
-            "expert_rank": tuple(placement.tolist()),
-            "num_ranks": ranks,
+            "step_tokens": cost_ep.step_tokens,
+            "step_cost": cost_ep.step_cost,
+            **ep,
         }
     return configs
 

@@ -313,7 +313,15 @@ class OfflineEngine:
         batch = batch_index(selected)
         rows = verify_rows(selected)
         recall = topk_recall(chosen.verify_predicted[verify.valid], routing, self.num_experts)
-        record_recall(predictor, chosen, verify.valid, out.routing)
+        placement = selection[1].get("placement")  # n in the units of the EP cost
+        record_recall(
+            predictor,
+            chosen,
+            verify.valid,
+            out.routing,
+            placement=placement,
+            total_weight=None if placement is None else selection[0].total_weight,
+        )
         row_hidden = None if hidden is None else hidden[batch, rows][verify.valid]  # [verified, H]
         context = verified_context(chosen, verify.valid)  # the rows' parent tokens, if read
         predictor.observe(

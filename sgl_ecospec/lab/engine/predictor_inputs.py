@@ -36,7 +36,13 @@ def verified_context(chosen: StepSelection, valid: torch.Tensor) -> dict:
 
 
 def record_recall(
-    predictor: ExpertPredictor, chosen: StepSelection, valid: torch.Tensor, routing: torch.Tensor
+    predictor: ExpertPredictor,
+    chosen: StepSelection,
+    valid: torch.Tensor,
+    routing: torch.Tensor,
+    *,
+    placement=None,
+    total_weight: float | None = None,
 ) -> None:
     """Adds a verify step to the predictor's :class:`LiveRecall` (attached on first use):
     the recall on every verified row, and the new experts the verified candidates bring.
@@ -45,7 +51,9 @@ def record_recall(
         chosen: the step's selection (its ``verify_predicted`` ``[B, 1 + S, L, K]``).
         valid: bool ``[B, 1 + S]``: the verified rows (root first).
         routing: int ``[B, 1 + S, L, K]``: the target's routing of the verify rows.
+        placement, total_weight: the EP placement selection prices with and its weight of
+            the experts off the busiest rank, or None (``LiveRecall.update_novel``).
     """
     live = LiveRecall.of(predictor, routing.device)
     live.update(chosen.verify_predicted[valid], routing[valid])
-    live.update_novel(routing, valid)
+    live.update_novel(routing, valid, placement=placement, total_weight=total_weight)
