@@ -26,18 +26,11 @@ PEER_POLICIES = ("evict", "cascade")
 # bench's policies: the op's, then the peers.
 BENCH_POLICIES = (*POLICIES, *PEER_POLICIES)
 # The sweep's policies, in the order they are reported.
-SWEEP_POLICIES = (
-    "confidence",
-    "ecospec",
-    "ecospec-ep",
-    "adaptive",
-    "adaptive-ep",
-    *PEER_POLICIES,
-)
+SWEEP_POLICIES = ("confidence", "ecospec", "ecospec-ep", "adaptive", *PEER_POLICIES)
 # Policies gated per batch size: cascade by confidence's predicted speedup (Cascade's rule,
 # sweep_run.utility_gate), adaptive by its own run's (as the server's gate measures ECOSPEC's
 # own utility).
-GATED_POLICIES = ("adaptive", "adaptive-ep", "cascade")
+GATED_POLICIES = ("adaptive", "cascade")
 # Testbed build times on two cores (docs/testbed.md), for the announcement.
 _BUILD_TIME = {
     "full": "about 8-10 minutes with the shipped draft, 40-50 if it must train a draft",
@@ -283,16 +276,8 @@ class SweepConfig(_Config):
                 "cascade: the per-batch-size gate reads the speedup of confidence selection "
                 "at the same batch size: add confidence to --policies"
             )
-        for policy in ("ecospec-ep", "adaptive-ep"):
-            if policy in self.policies and max(self.ep_sizes) == 1:
-                raise ValueError(
-                    f"{policy} selects for expert parallelism: give --ep-sizes above 1"
-                )
-        if "adaptive-ep" in self.policies and "adaptive" not in self.policies:
-            raise ValueError(
-                "adaptive-ep is ECOSPEC at the largest EP size, adaptive at the others: add "
-                "adaptive to --policies"
-            )
+        if "ecospec-ep" in self.policies and max(self.ep_sizes) == 1:
+            raise ValueError("ecospec-ep selects for expert parallelism: give --ep-sizes above 1")
         for name in self.profiles:
             experts = MODELS[name].num_experts
             bad = [r for r in self.ep_sizes if experts % r]

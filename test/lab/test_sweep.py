@@ -80,15 +80,7 @@ def test_selection_configs_follow_the_cost_model():
     cfg = _validate(["--profiles", "qwen3-235b-a22b,deepseek-v3", "--ep-sizes", "1,4"])
     testbed = {"num_layers": 2, "num_experts": 16, "top_k": 2}
     configs = sweep_plan.selection_configs(cfg, 32, 6.0, testbed)
-    assert set(configs) == {
-        "confidence",
-        "ecospec",
-        "ecospec-ep",
-        "adaptive",
-        "adaptive-ep",
-        "evict",
-        "cascade",
-    }
+    assert set(configs) == {"confidence", "ecospec", "ecospec-ep", "adaptive", "evict", "cascade"}
     perf = performance_model("qwen3-235b-a22b", "h200")
     cost = selection_cost(perf, 32, 5, draft_steps=3)
     adaptive = configs["adaptive"]
@@ -103,15 +95,6 @@ def test_selection_configs_follow_the_cost_model():
     cost4 = selection_cost(performance_model("qwen3-235b-a22b", "4xh200"), 32, 5, ep_size=4)
     assert ep["eps"] == cost4.eps and ep["num_ranks"] == 4
     assert ep["expert_rank"] == tuple(i // 4 for i in range(16))
-    # adaptive-ep: adaptive as on the 4-GPU group, with its placement and its own account.
-    cost4 = selection_cost(
-        performance_model("qwen3-235b-a22b", "4xh200"), 32, 5, draft_steps=3, ep_size=4
-    )
-    adaptive_ep = configs["adaptive-ep"]
-    assert adaptive_ep["policy"] == "adaptive" and adaptive_ep["num_ranks"] == 4
-    assert adaptive_ep["eps"] == cost4.eps and adaptive_ep["step_cost"] == cost4.step_cost
-    assert adaptive_ep["expert_rank"] == ep["expert_rank"]
-    assert adaptive_ep["layer_weights"] == adaptive["layer_weights"]
     for kwargs in configs.values():
         spec = SpecConfig(**kwargs)
         assert spec.budget == 4 and spec.share_buffer
@@ -174,7 +157,6 @@ def test_defaults_validate():
         "ecospec",
         "ecospec-ep",
         "adaptive",
-        "adaptive-ep",
         "evict",
         "cascade",
     ]
@@ -199,11 +181,6 @@ def test_defaults_validate():
         (["--policies", "ecospec,ecospec"], "lists a name twice"),
         (["--policies", "cascade"], "add confidence to --policies"),
         (["--ep-sizes", "1"], "ecospec-ep selects for expert parallelism"),
-        (
-            ["--ep-sizes", "1", "--policies", "confidence,adaptive,adaptive-ep"],
-            "adaptive-ep selects for expert parallelism",
-        ),
-        (["--policies", "confidence,adaptive-ep"], "add adaptive to --policies"),
         (["--ep-sizes", "1,3"], r"--ep-sizes \[3\]: qwen3-235b-a22b has 128 experts"),
         (["--batch-sizes", "1,0"], "--batch-sizes must be comma-separated positive ints"),
         (["--batch-sizes", "2,2"], "lists a size twice"),
@@ -477,11 +454,8 @@ def test_warm_started_predictor_sweep(tiny_models, tmp_path):
 
 
 def test_paired_sweep_on_the_engine(tiny_models, tmp_path):
-    policies = "confidence,ecospec,ecospec-ep,adaptive,adaptive-ep,evict"
+    policies = "confidence,ecospec,ecospec-ep,adaptive,evict"
     rep, _ = _sweep(tiny_models, "draft", tmp_path, "--policies", policies, "--paired")
-    # adaptive-ep selected with the EP group's placement and account.
-    adaptive_ep = [r for r in rep["runs"] if r["policy"] == "adaptive-ep"]
-    assert adaptive_ep and all(r["selection"]["num_ranks"] == 4 for r in adaptive_ep)
     assert rep["config"]["paired"] is True
     for run in rep["runs"]:
         if run["policy"] not in sweep_plan.PAIRED_AGAINST or not run.get("ran", True):
@@ -516,9 +490,7 @@ def test_paired_sweep_on_the_engine(tiny_models, tmp_path):
     # Adaptive's rows priced on the same trees as evict's cut: both speedups and their
     # difference; the adaptive run's own set is priced as its run is.
     adaptive = [
-        row
-        for row in rep["rows"]
-        if row["policy"] in ("adaptive", "adaptive-ep") and "paired_speedup" in row
+        row for row in rep["rows"] if row["policy"] == "adaptive" and "paired_speedup" in row
     ]
     assert adaptive, "adaptive should speculate somewhere on the fitted draft"
     for row in adaptive:
@@ -536,4 +508,4 @@ def test_paired_sweep_on_the_engine(tiny_models, tmp_path):
     assert len(checks["ecospec_ep_lowers_busiest_rank_paired"]["detail"]) == len(BATCHES)
     printed = sweep_report.format_tables(rep)
     assert "# paired on the same trees" in printed
-    assert "ecospec-ep  ecospec" in printed
+    assert "ecospec-ep ecospec" in printed

@@ -130,49 +130,6 @@ def test_adaptive_above_evict_paired_by_hand():
     assert sweep_report.checks(rep)["adaptive_above_evict_paired"]["detail"][2]["passed"] is False
 
 
-def test_bars_read_adaptive_ep_at_the_largest_ep_size():
-    """A server on the EP group runs ECOSPEC with the EP cost: at the largest EP size the
-    bars read adaptive-ep's rows, at the others adaptive's."""
-
-    def row(policy, ep_size, speedup, paired):
-        row = {"batch_size": 2, "policy": policy, "profile": "p", "ep_size": ep_size}
-        row |= {"speedup": speedup, "speedup_stderr": 0.01, "speculates": True}
-        row["paired_speedup"] = {"against": "evict", "difference": paired, "stderr": 0.005}
-        return row
-
-    rep = {
-        "config": {
-            "batch_sizes": [2],
-            "profiles": ["p"],
-            "ep_sizes": [1, 8],
-            "policies": ["adaptive", "adaptive-ep", "evict"],
-            "paired": True,
-        },
-        "rows": [
-            row("adaptive", 1, 1.10, 0.03),
-            row("adaptive", 8, 1.00, -0.05),  # EP 8 priced on the EP 1 choice: loses
-            row("adaptive-ep", 1, 1.02, -0.03),
-            row("adaptive-ep", 8, 1.12, 0.04),
-            row("evict", 1, 1.07, 0.0),
-            row("evict", 8, 1.08, 0.0),
-        ],
-        "runs": [],
-    }
-    checks = sweep_report.checks(rep)
-    for name in ("adaptive_not_below_peers", "adaptive_above_evict_paired"):
-        detail = checks[name]["detail"]
-        assert [(d["ep_size"], d["policy"]) for d in detail] == [
-            (1, "adaptive"),
-            (8, "adaptive-ep"),
-        ]
-        assert checks[name]["passed"] is True
-    rep["config"]["policies"] = ["adaptive", "evict"]  # without adaptive-ep: adaptive at EP 8
-    rep["rows"] = [r for r in rep["rows"] if r["policy"] != "adaptive-ep"]
-    checks = sweep_report.checks(rep)
-    assert checks["adaptive_not_below_peers"]["passed"] is False
-    assert checks["adaptive_above_evict_paired"]["passed"] is False
-
-
 def test_paired_summary_by_hand():
     # Two steps on 8 experts, 2 EP ranks (experts 0-3 | 4-7), one layer.
     def step(own, other, scores, accepted=(1, 1)):

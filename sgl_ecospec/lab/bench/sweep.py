@@ -19,10 +19,6 @@ greedily (no speculation, the baseline every speedup is over) and once per polic
   the step's tokens per cost, with eps and the step's starting account from
   ``selection_cost`` (primary profile, batch B); with ``--recall-weighted-cost`` (also for
   ``ecospec``) DeltaCost trusts only what the predictor knows.
-- ``adaptive-ep``: ``adaptive`` as a server on the largest ``--ep-sizes`` group runs it:
-  the EP cost and placement of ``ecospec-ep``, eps and the starting account from that
-  group's ``selection_cost``; the bars read it as ECOSPEC at that EP size (``adaptive`` at
-  the others).
 - ``evict`` (a peer, ``bench.peers``): confidence's choice cut per step to the prefix of
   its order that maximises expected tokens per predicted step time, the time of the primary
   profile at batch B depending on the number of verified tokens only (``engine.evict``).
@@ -30,11 +26,10 @@ greedily (no speculation, the baseline every speedup is over) and once per polic
   and EP size (confidence's own predicted speedup above 1); where open, its run is
   confidence's own (reused, not decoded again), where closed it is the greedy run (speedup 1).
 
-With ``--paired`` the ecospec run also scores confidence's choice, the ecospec-ep run
-ecospec's, and the adaptive and adaptive-ep runs evict's, on each of its own steps (same
-tree, same predictions, same buffer seed), and both sets' true expert unions are compared
-step by step (``paired``): the effect of the selection alone, free of two decodes drifting
-apart.
+With ``--paired`` the ecospec run also scores confidence's choice, and the ecospec-ep run
+ecospec's, on each of its own steps (same tree, same predictions, same buffer seed), and
+both sets' true expert unions are compared step by step (``paired``): the effect of the
+selection alone, free of two decodes drifting apart.
 
 Every run is priced for every profile at every EP size by ``ep_cost`` (unions scaled by the
 effective-token method, busiest rank by the imbalance method, expert loads by the busiest
@@ -109,9 +104,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     gen.add_argument(
         "--paired",
         action="store_true",
-        help="ecospec also scores confidence's choice, ecospec-ep ecospec's, and adaptive and "
-        "adaptive-ep evict's, on each of their own steps: both sets compared on the same trees "
-        "(one extra target pass over the whole tree per step of those runs)",
+        help="ecospec also scores confidence's choice, and ecospec-ep ecospec's, on each of "
+        "its own steps: both sets' true expert unions compared on the same trees (one extra "
+        "target pass over the whole tree per step of those runs)",
     )
     arguments.add_share_buffer_argument(
         gen, "one expert buffer (and one adaptive account) for the whole batch"

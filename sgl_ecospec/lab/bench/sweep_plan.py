@@ -20,12 +20,7 @@ __all__ = [
 ]
 
 # With --paired: the policy each run's steps also score (the one it is measured against).
-PAIRED_AGAINST = {
-    "ecospec": "confidence",
-    "ecospec-ep": "ecospec",
-    "adaptive": "evict",
-    "adaptive-ep": "evict",
-}
+PAIRED_AGAINST = {"ecospec": "confidence", "ecospec-ep": "ecospec", "adaptive": "evict"}
 
 
 def prompts_per_batch_size(batch: int, num_prompts: int) -> int:
@@ -133,17 +128,13 @@ def selection_configs(cfg: SweepConfig, batch: int, root_union: float, testbed: 
     ranks = max(cfg.ep_sizes)
     if ranks > 1:
         perf_ep = performance_model(cfg.profiles[0], ep_hardware(cfg.hardware, ranks))
-        cost_ep = selection_cost(perf_ep, batch, budget + 1, draft_steps=cfg.steps, ep_size=ranks)
+        cost_ep = selection_cost(perf_ep, batch, budget + 1, ep_size=ranks)
         placement = ep_cost.contiguous_expert_rank(testbed["num_experts"], ranks)
-        ep = {"expert_rank": tuple(placement.tolist()), "num_ranks": ranks}
-        configs["ecospec-ep"] = {**configs["ecospec"], "eps": cost_ep.eps, **ep}
-        # ECOSPEC as a server on the R-GPU group runs it: the EP cost and that group's times.
-        configs["adaptive-ep"] = {
-            **configs["adaptive"],
+        configs["ecospec-ep"] = {
+            **configs["ecospec"],
             "eps": cost_ep.eps,
-            "step_tokens": cost_ep.step_tokens,
-            "step_cost": cost_ep.step_cost,
-            **ep,
+            "expert_rank": tuple(placement.tolist()),
+            "num_ranks": ranks,
         }
     return configs
 

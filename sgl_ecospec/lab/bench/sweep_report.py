@@ -32,10 +32,10 @@ METHOD = {
         "eps (and adaptive's step_cost) from costmodel.selection_cost of the primary profile "
         "at each batch size; every testbed layer weighs moe_layers / L_t times the profile "
         "experts one testbed expert stands for at the roots' union (the slope ratio of the "
-        "effective-token scaling, the pricing's own exchange rate there); adaptive-ep selects "
-        "with the EP cost and account of the largest EP group; with --recall-weighted-cost "
-        "the expert-aware policies trust predictions by the predictor's live recall and price "
-        "the rest by the new experts verified candidates really brought (LiveRecall)"
+        "effective-token scaling, the pricing's own exchange rate there); with "
+        "--recall-weighted-cost the expert-aware policies trust predictions by the "
+        "predictor's live recall and price the rest by the new experts verified candidates "
+        "really brought (LiveRecall)"
     ),
     "adaptive_gate": (
         "per (batch size, profile, EP size): speculate only where the adaptive run at that "
@@ -88,10 +88,6 @@ def new_report(cfg, testbed: dict) -> dict:
 def checks(rep: dict) -> dict:
     """The issue's bars, evaluated on the report's rows.
 
-    "adaptive" below is ECOSPEC as a server at that EP size would run it: ``adaptive-ep``
-    (the EP cost) at the largest EP size when it was run, ``adaptive`` elsewhere; each
-    detail entry names the policy.
-
     - ``adaptive_not_slower``: adaptive's speedup >= 1 at every (batch, profile, EP).
     - ``adaptive_within_noise_of_confidence``: adaptive's speedup >= confidence's minus
       twice the combined standard error (``ep_cost.predicted_speedup``).
@@ -125,31 +121,24 @@ def checks(rep: dict) -> dict:
         passed = all(d["passed"] for d in detail) if evaluated else None
         result[name] = {"passed": passed, "detail": detail}
 
-    def ecospec(r: int) -> str:
-        # ECOSPEC at EP size r: adaptive-ep (selecting with the EP cost) at the largest EP
-        # size, where run; adaptive elsewhere.
-        largest = r == max(cfg["ep_sizes"]) > 1
-        return "adaptive-ep" if largest and "adaptive-ep" in policies else "adaptive"
-
     detail = []
     if "adaptive" in policies:
         for b, p, r in keys:
-            speedup = rows[b, ecospec(r), p, r]["speedup"]
+            speedup = rows[b, "adaptive", p, r]["speedup"]
             detail.append(
-                {"batch_size": b, "profile": p, "ep_size": r, "policy": ecospec(r)}
-                | {"speedup": speedup, "passed": speedup >= 1.0 - 1e-12}
+                {"batch_size": b, "profile": p, "ep_size": r, "speedup": speedup}
+                | {"passed": speedup >= 1.0 - 1e-12}
             )
     verdict("adaptive_not_slower", {"adaptive"}, detail)
 
     detail = []
     if {"adaptive", "confidence"} <= policies:
         for b, p, r in keys:
-            ours, theirs = rows[b, ecospec(r), p, r], rows[b, "confidence", p, r]
+            ours, theirs = rows[b, "adaptive", p, r], rows[b, "confidence", p, r]
             noise = 2 * math.hypot(ours["speedup_stderr"], theirs["speedup_stderr"])
             margin = ours["speedup"] - theirs["speedup"]
             detail.append(
-                {"batch_size": b, "profile": p, "ep_size": r, "policy": ecospec(r)}
-                | {"difference": margin}
+                {"batch_size": b, "profile": p, "ep_size": r, "difference": margin}
                 | {"noise": noise, "passed": margin >= -noise}
             )
     verdict("adaptive_within_noise_of_confidence", {"adaptive", "confidence"}, detail)
@@ -158,7 +147,7 @@ def checks(rep: dict) -> dict:
     peers = [p for p in PEERS if p in policies]
     if "adaptive" in policies:
         for b, p, r in keys:
-            ours = rows[b, ecospec(r), p, r]
+            ours = rows[b, "adaptive", p, r]
             best = max(
                 [("none", {"speedup": 1.0, "speedup_stderr": 0.0})]
                 + [(q, rows[b, q, p, r]) for q in peers],
@@ -167,9 +156,8 @@ def checks(rep: dict) -> dict:
             noise = math.hypot(ours["speedup_stderr"], best[1]["speedup_stderr"])
             margin = ours["speedup"] - best[1]["speedup"]
             detail.append(
-                {"batch_size": b, "profile": p, "ep_size": r, "policy": ecospec(r)}
-                | {"best": best[0], "difference": margin, "noise": noise}
-                | {"passed": margin >= -noise}
+                {"batch_size": b, "profile": p, "ep_size": r, "best": best[0]}
+                | {"difference": margin, "noise": noise, "passed": margin >= -noise}
             )
     verdict("adaptive_not_below_peers", {"adaptive"}, detail)
 
@@ -225,8 +213,8 @@ def checks(rep: dict) -> dict:
     detail = []
     if {"adaptive", "evict"} <= policies and cfg.get("paired"):
         for b, p, r in (k for k in keys if k[0] in SMALL_BATCHES):
-            ours, evict = rows[b, ecospec(r), p, r], rows[b, "evict", p, r]
-            entry = {"batch_size": b, "profile": p, "ep_size": r, "policy": ecospec(r)}
+            ours, evict = rows[b, "adaptive", p, r], rows[b, "evict", p, r]
+            entry = {"batch_size": b, "profile": p, "ep_size": r}
             if ours["speculates"]:
                 paired = ours["paired_speedup"]
                 noise = 2 * paired["stderr"]
@@ -253,7 +241,7 @@ def run_line(entry: dict) -> str:
         f"EP{r} {v:.2f}" for r, v in entry["busiest_rank_experts"].items() if r != "1"
     )
     return (
-        f"batch {entry['batch_size']:3d} {entry['policy']:<11} accept "
+        f"batch {entry['batch_size']:3d} {entry['policy']:<10} accept "
         f"{entry['accept_length']:.3f}, verified/request {entry['verified_per_request']:.2f}, "
         f"experts {entry['experts_per_layer_step']:.2f}"
         + (f", busiest {busiest}" if busiest else "")
@@ -283,7 +271,7 @@ def format_tables(rep: dict) -> str:
     EP size, then the bars."""
     cfg = rep["config"]
     ranks = [r for r in cfg["ep_sizes"] if r > 1]
-    head = "batch policy      accept verif/req experts " + " ".join(f"busy@EP{r}" for r in ranks)
+    head = "batch policy     accept verif/req experts " + " ".join(f"busy@EP{r}" for r in ranks)
     lines = ["# measured on the testbed", head + " recall lossless"]
     greedy = {g["batch_size"]: g for g in rep["greedy"]}
     runs = [("none", greedy[b]) for b in cfg["batch_sizes"]]
@@ -302,7 +290,7 @@ def format_tables(rep: dict) -> str:
             status = metrics.lossless_status(e)
         cells = [
             f"{e['batch_size']:5d}",
-            f"{policy:<11}",
+            f"{policy:<10}",
             f"{_fmt(1.0 if baseline else e.get('accept_length'), '.3f'):>6}",
             f"{_fmt(1.0 if baseline else e.get('verified_per_request'), '.2f'):>9}",
             f"{_fmt(e.get('experts_per_layer_step'), '.2f'):>7}",
@@ -316,13 +304,13 @@ def format_tables(rep: dict) -> str:
         lines += [
             "",
             "# paired on the same trees: run minus the compared policy's set, mean +- stderr",
-            "batch policy      against    experts diff      +-  "
+            "batch policy     against    experts diff      +-  "
             + " ".join(f"busy@EP{r} diff     +-" for r in ranks)
             + "  draft score diff  accepted diff  differ",
         ]
         for e in paired:
             p = e["paired"]
-            cells = [f"{e['batch_size']:5d} {e['policy']:<11} {p['against']:<10}"]
+            cells = [f"{e['batch_size']:5d} {e['policy']:<10} {p['against']:<10}"]
             for name in ["experts_per_layer_step"] + [f"busiest_rank_experts_ep{r}" for r in ranks]:
                 cells.append(f"{p[name]['difference']:+12.3f} {p[name]['stderr']:6.3f}")
             accepted = p.get("accepted", {}).get("difference")
@@ -337,13 +325,13 @@ def format_tables(rep: dict) -> str:
                 "",
                 f"# predicted for {profile} on {rep['hardware'][str(r)]} (EP {r}), MoESD "
                 "model on a roofline prior",
-                "batch policy      spec accept experts_p busiest_p  step_ms    ar_ms speedup   +-",
+                "batch policy     spec accept experts_p busiest_p  step_ms    ar_ms speedup   +-",
             ]
             for row in rep["rows"]:
                 if row["profile"] != profile or row["ep_size"] != r:
                     continue
                 lines.append(
-                    f"{row['batch_size']:5d} {row['policy']:<11} "
+                    f"{row['batch_size']:5d} {row['policy']:<10} "
                     f"{'yes' if row['speculates'] else 'no':>4} {row['accept_length']:6.3f} "
                     f"{row['experts_per_layer_step_scaled']:9.2f} "
                     f"{row['busiest_rank_experts_scaled']:9.2f} {row['step_ms']:8.3f} "
