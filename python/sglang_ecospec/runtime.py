@@ -286,6 +286,7 @@ class EcoSpecRuntime:
             live.update_novel(
                 known.view(*rows.shape, *known.shape[1:]),
                 rows,
+                budget=max(per_request - 1, 1),
                 placement=placement,
                 total_weight=None if placement is None else self.selector.options.total_weight,
             )

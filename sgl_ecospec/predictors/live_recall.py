@@ -122,6 +122,7 @@ class LiveRecall:
         routing: torch.Tensor,
         valid: torch.Tensor | None = None,
         *,
+        budget: int | None = None,
         placement=None,
         total_weight: float | None = None,
     ) -> None:
@@ -133,6 +134,17 @@ class LiveRecall:
         (the weight of step n is max(rate, 1 / n)), so the starting value is soon forgotten.
         No host sync.
 
+        With ``budget`` the candidates' cost is amortised over a whole verify set. The
+        experts the roots miss fill up as candidates are added: the first few candidates
+        bring most of them, later ones little, so k candidates' average overprices the
+        later ones wherever the roots nearly saturate a layer (large batches), and a rule
+        that weighs every candidate at that average stops early. If the k verified
+        candidates filled a share f of the M experts the roots miss, each of K = roots x
+        ``budget`` candidates would, hitting them independently, fill M (1 - (1 - f)^(K/k));
+        n_l is that over K. Where f is small this is the measured average (small
+        batches); where the roots nearly saturate it is what a full verify set pays per
+        candidate.
+
         With an EP placement the experts are counted as selection's EP DeltaCost counts
         them: the rise of the busiest rank's expert count plus ``total_weight`` times the
         rise on the other ranks, so that n_l is in the units of the DeltaCost it joins.
@@ -142,6 +154,7 @@ class LiveRecall:
                 each request's root first (R = 1 + its verified candidates, padded).
             valid: bool ``[B, R]`` or None (all): rows that count (not padding, not copies,
                 captured).
+            budget: S, candidates a request may verify, or None (no amortisation).
             placement: the EP placement selection prices with (``expert_rank`` int64 ``[E]``
                 or ``[L, E]``, ``num_ranks``), or None (every expert alike).
             total_weight: weight of the experts off the busiest rank, in [0, 1]; None for
@@ -164,6 +177,11 @@ class LiveRecall:
         pass_union = root_union | (multi[:, 1:].sum((0, 1)) > 0)  # [L, E]
         cost = _UnionCost(placement, total_weight, device)
         candidate_novel = cost.added(pass_union, root_union)  # [L]
+        if budget is not None:
+            check_int("budget", budget, minimum=1)
+            candidate_novel = candidate_novel * _fill_amortisation(
+                root_union, pass_union, candidates, weight[:, 0].sum() * budget
+            )
         others = (root_counts - multi[:, 0]) > 0  # [B, L, E]: the other roots' union
         roots = weight[:, 0].sum()
         root_novel = cost.added(root_union.expand_as(others), others).sum(0)  # [L]
@@ -218,6 +236,22 @@ class LiveRecall:
         """Cumulative recall per layer over every row seen (a host sync), or None."""
         rows = float(self.rows)
         return (self.hits / rows).tolist() if rows else None
+
+
+def _fill_amortisation(
+    root_union: torch.Tensor, pass_union: torch.Tensor, verified, full
+) -> torch.Tensor:
+    """float32 ``[L]``: how much cheaper per candidate a verify set of ``full`` candidates
+    fills the roots' missing experts than the ``verified`` ones did (both float32 scalars;
+    ``root_union`` within ``pass_union``, bool ``[L, E]``); 1 where nothing was added."""
+    missing = (~root_union).sum(-1).float()  # [L]
+    added = (pass_union & ~root_union).sum(-1).float()
+    verified = verified.clamp_min(1.0)
+    full = torch.maximum(full, verified)
+    share = (added / missing.clamp_min(1.0)).clamp(max=1.0)
+    filled = missing * -torch.expm1((full / verified) * torch.log1p(-share))  # M (1 - (1-f)^(K/k))
+    ratio = (filled / full) / (added / verified).clamp_min(1e-12)
+    return torch.where(added > 0, ratio, torch.ones_like(ratio))
 
 
 class _UnionCost:

@@ -109,6 +109,39 @@ def test_novel_experts_of_the_verified_candidates():
     assert float(fresh.unpredicted_cost()) == pytest.approx(0.0)
 
 
+def test_novel_experts_amortised_over_a_whole_verify_set():
+    """With a budget the measured cost is spread over a full verify set: where the roots
+    nearly saturate a layer the few experts they miss are filled once, by the first
+    candidates; where they miss many the measured average stays."""
+    roots = torch.arange(K).expand(2, 1, L, K)  # 2 roots on experts 0..K-1: E - K missing
+    one_new = torch.cat([torch.arange(1, K), torch.tensor([K])]).expand(2, 1, L, K)
+    routing = torch.cat([roots, one_new], 1)  # each request verifies one candidate
+    valid = torch.tensor([[True, True], [True, False]])  # 1 candidate, 1 new expert
+    plain, amortised = LiveRecall(L, E, K), LiveRecall(L, E, K)
+    plain.update_novel(routing, valid)
+    amortised.update_novel(routing, valid, budget=3)
+    assert plain.novel.tolist() == [1.0] * L
+    # share f = 1 / (E - K) of the missing filled by k = 1; K = 2 roots x 3 = 6 candidates
+    missing = E - K
+    want = missing * (1 - (1 - 1 / missing) ** 6) / 6
+    assert amortised.novel.tolist() == pytest.approx([want] * L)
+    assert want < 1.0
+    # Roots that saturate the layer but one expert, filled by the one candidate: each of
+    # the six candidates of a full set pays a sixth of it.
+    saturated = torch.arange(E - 1).view(1, 1, 1, E - 1).expand(2, 1, L, E - 1)
+    last = torch.full((2, 1, L, E - 1), E - 1)
+    full = LiveRecall(L, E, E - 1)
+    full.update_novel(torch.cat([saturated, last], 1), valid, budget=3)
+    assert full.novel.tolist() == pytest.approx([1 / 6] * L)
+    # A full verify set measured as it is: nothing to amortise.
+    every = torch.ones(2, 4, dtype=torch.bool)
+    spread = random_routing(3, 8).view(2, 4, L, K)
+    same, budgeted = LiveRecall(L, E, K), LiveRecall(L, E, K)
+    same.update_novel(spread, every)
+    budgeted.update_novel(spread, every, budget=3)
+    assert budgeted.novel.tolist() == pytest.approx(same.novel.tolist())
+
+
 def test_novel_experts_in_the_units_of_the_ep_cost():
     """With an EP placement n_l is what selection's EP DeltaCost charges for the same
     experts: the busiest rank's rise plus total_weight times the other ranks' rise."""

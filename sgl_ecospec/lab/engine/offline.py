@@ -319,6 +319,7 @@ class OfflineEngine:
             chosen,
             verify.valid,
             out.routing,
+            budget=spec.budget,
             placement=placement,
             total_weight=None if placement is None else selection[0].total_weight,
         )

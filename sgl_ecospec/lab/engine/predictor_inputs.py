@@ -41,6 +41,7 @@ def record_recall(
     valid: torch.Tensor,
     routing: torch.Tensor,
     *,
+    budget: int | None = None,
     placement=None,
     total_weight: float | None = None,
 ) -> None:
@@ -51,9 +52,11 @@ def record_recall(
         chosen: the step's selection (its ``verify_predicted`` ``[B, 1 + S, L, K]``).
         valid: bool ``[B, 1 + S]``: the verified rows (root first).
         routing: int ``[B, 1 + S, L, K]``: the target's routing of the verify rows.
+        budget: S, candidates a request may verify, or None (``LiveRecall.update_novel``
+            amortises the measured cost over a whole verify set).
         placement, total_weight: the EP placement selection prices with and its weight of
             the experts off the busiest rank, or None (``LiveRecall.update_novel``).
     """
     live = LiveRecall.of(predictor, routing.device)
     live.update(chosen.verify_predicted[valid], routing[valid])
-    live.update_novel(routing, valid, placement=placement, total_weight=total_weight)
+    live.update_novel(routing, valid, budget=budget, placement=placement, total_weight=total_weight)
