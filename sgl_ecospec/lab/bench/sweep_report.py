@@ -2,6 +2,7 @@
 (``sgl-ecospec sweep``, docs/bench.md)."""
 
 import math
+import textwrap
 
 from sgl_ecospec.costmodel.profiles import MODELS
 from sgl_ecospec.lab.bench import metrics
@@ -369,7 +370,8 @@ def write_plot(rep: dict, path: str) -> None:
 
     cfg = rep["config"]
     profiles, ep_sizes = cfg["profiles"], cfg["ep_sizes"]
-    fig = Figure(figsize=(4.2 * len(profiles), 3.4 * len(ep_sizes)), layout="constrained")
+    width = 4.2 * len(profiles)
+    fig = Figure(figsize=(width, 3.4 * len(ep_sizes)), layout="constrained")
     axes = fig.subplots(len(ep_sizes), len(profiles), squeeze=False)
     for i, r in enumerate(ep_sizes):
         for j, profile in enumerate(profiles):
@@ -394,9 +396,11 @@ def write_plot(rep: dict, path: str) -> None:
             ax.set_ylabel("predicted speedup vs no SD")
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=8)
-    fig.suptitle(
+    title = (
         f"testbed E={rep['testbed']['num_experts']}, K={rep['testbed']['top_k']}: "
         f"{cfg['dataset']}, topk {cfg['topk']}, {cfg['steps']} steps, budget {cfg['budget']}, "
         f"{cfg['max_new_tokens']} new tokens (MoESD model on a roofline prior)"
     )
+    # Wrapped to the figure's width: one profile's panel is narrower than the line.
+    fig.suptitle(textwrap.fill(title, width=int(11 * width)), fontsize=10)
     fig.savefig(path, dpi=110)
