@@ -121,9 +121,9 @@ def _delta_cost(
         return _weighted_layer_sum(bitmap_popcount_reference(missing), weights)
     rank, num_ranks, total_weight = placement
     num_experts = rank.shape[-1]
-    loads = _rank_loads(_unpack_bits(buffer, num_experts), rank, num_ranks)  # [B', L, R]
+    loads = rank_loads(_unpack_bits(buffer, num_experts), rank, num_ranks)  # [B', L, R]
     fresh = _unpack_bits(missing, num_experts)  # [B', N, L, E]
-    fresh_loads = _rank_loads(fresh, rank, num_ranks)  # [B', N, L, R]
+    fresh_loads = rank_loads(fresh, rank, num_ranks)  # [B', N, L, R]
     # Rise of the busiest rank, per layer; the new peak can only be at or above the old.
     rise = (loads[:, None] + fresh_loads).amax(-1) - loads.amax(-1)[:, None]  # [B', N, L]
     added = fresh.sum(-1)
@@ -138,8 +138,9 @@ def _unpack_bits(bitmaps: torch.Tensor, num_experts: int) -> torch.Tensor:
     return bits.flatten(-2)[..., :num_experts].bool()
 
 
-def _rank_loads(bits: torch.Tensor, rank: torch.Tensor, num_ranks: int) -> torch.Tensor:
-    """Experts set per rank: bool ``[..., L, E]`` with rank ``[L, E]`` -> int64 ``[..., L, R]``."""
+def rank_loads(bits: torch.Tensor, rank: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """Experts set per rank: bool ``[..., L, E]`` with rank ``[E]`` or ``[L, E]`` -> int64
+    ``[..., L, R]``."""
     out = torch.zeros((*bits.shape[:-1], num_ranks), dtype=torch.int64, device=bits.device)
     return out.scatter_add_(-1, rank.expand(bits.shape), bits.long())
 

@@ -9,6 +9,7 @@ import torch
 from sgl_ecospec.ops.bitmaps import bitmap_popcount, topk_to_bitmap
 from sgl_ecospec.ops.checks import check_int
 from sgl_ecospec.ops.selection import SelectionOptions
+from sgl_ecospec.ops.selection_reference import rank_loads
 
 
 class LiveRecall:
@@ -275,10 +276,6 @@ class _UnionCost:
         count = (grown & ~base).sum(-1).float()
         if self.rank is None:
             return count
-        rise = (self._loads(grown).amax(-1) - self._loads(base).amax(-1)).float()
+        peak = [rank_loads(u, self.rank, self.num_ranks).amax(-1) for u in (grown, base)]
+        rise = (peak[0] - peak[1]).float()
         return rise + self.total_weight * (count - rise)
-
-    def _loads(self, union: torch.Tensor) -> torch.Tensor:
-        """int64 ``[..., L, R]``: experts of ``union`` (bool ``[..., L, E]``) per rank."""
-        out = torch.zeros(*union.shape[:-1], self.num_ranks, dtype=torch.int64, device=union.device)
-        return out.scatter_add_(-1, self.rank.expand(union.shape), union.long())
