@@ -37,13 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "reproducible", False):
-        from sgl_ecospec.lab import numerics
+    from sgl_ecospec.lab import numerics
 
-        numerics.make_reproducible(sys.argv[1:] if argv is None else argv)
     try:
+        if getattr(args, "reproducible", False):
+            numerics.make_reproducible(sys.argv[1:] if argv is None else argv)
         return args.run(args) or 0
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, numerics.PinningError) as exc:
         print(f"sgl-ecospec {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

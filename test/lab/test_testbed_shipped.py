@@ -1,8 +1,11 @@
 """The testbed's machine-independent build (pinned numerics, weight hashes), resumable
 draft training, and the shipped draft."""
 
+import ctypes
 import dataclasses
 import json
+import os
+import subprocess
 import sys
 
 import pytest
@@ -44,9 +47,39 @@ def test_run_pinned_sets_the_environment_and_reports_failure(monkeypatch):
     numerics.run_pinned([sys.executable, "-c", check])
     with pytest.raises(RuntimeError, match="exit code 3"):
         numerics.run_pinned([sys.executable, "-c", "raise SystemExit(3)"])
-    for name, value in numerics.PINNED_ENV.items():
+    for name, value in numerics.pinned_env().items():
         monkeypatch.setenv(name, value)
     assert numerics.pinned()
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch without MKL")
+def test_a_pinned_process_runs_mkl_on_its_avx2_branch():
+    """MKL honours MKL_CBWR=AVX2 only where it takes the CPU for an Intel one; on others
+    (an AMD EPYC here) the pinned environment preloads the shim, else MKL would silently
+    run its AUTO branch and the testbed's weights would come out other bits."""
+    matmul = "import torch; torch.ones(64, 64) @ torch.ones(64, 64)"
+    out = subprocess.run(
+        [sys.executable, "-c", matmul],
+        env={**os.environ, **numerics.pinned_env(), "MKL_VERBOSE": "1"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "CNR:AVX2,STRICT" in out, out
+
+
+def test_the_mkl_shim_is_built_once_and_needs_a_compiler(tmp_path, monkeypatch):
+    monkeypatch.setattr(numerics, "needs_mkl_shim", lambda: True)
+    shim = numerics.mkl_intel_cpu_shim(tmp_path)
+    assert shim.is_file() and shim.parent == tmp_path / "numerics"
+    assert numerics.mkl_intel_cpu_shim(tmp_path) == shim  # cached
+    assert ctypes.CDLL(str(shim)).mkl_serv_intel_cpu_true() == 1
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv("CC", raising=False)
+    with pytest.raises(numerics.PinningError, match="needs a C compiler"):
+        numerics.mkl_intel_cpu_shim(tmp_path / "other")
+    monkeypatch.setattr(numerics, "needs_mkl_shim", lambda: False)
+    assert numerics.mkl_intel_cpu_shim(tmp_path / "other") is None
 
 
 def _toy(seed=0):
@@ -163,8 +196,8 @@ def test_make_reproducible_reexecutes_the_command_pinned_then_fixes_threads(monk
             "--reproducible",
             "--small",
         ]
-        assert all(env[name] == value for name, value in numerics.PINNED_ENV.items())
-        for name, value in numerics.PINNED_ENV.items():
+        assert all(env[name] == value for name, value in numerics.pinned_env().items())
+        for name, value in numerics.pinned_env().items():
             monkeypatch.setenv(name, value)
         calls.clear()
         numerics.make_reproducible(["bench"])  # already pinned: runs on, fixed threads

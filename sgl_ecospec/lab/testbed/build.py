@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import fcntl
 import json
+import platform
 import shutil
 import sys
 import time
@@ -279,7 +280,8 @@ def _build_into(work: Path, recipe: Recipe, log: Callable[[str], None]) -> None:
         log(
             f"[testbed] note: the target's weights differ from the reference build's "
             f"(sha256 {reference}): this machine's float results differ from the pinned "
-            "AVX2 numerics (is it an x86-64 CPU with AVX2?)"
+            f"AVX2 numerics (CPU {numerics.cpu_vendor()}, {platform.machine()}: they need "
+            "x86-64 with AVX2)"
         )
     spec = recipe.draft
     dtype = getattr(torch, recipe.weight_dtype)
