@@ -131,8 +131,8 @@ def buffer_bytes(
         + (layers * experts * _I64 if ep_placement else 0)  # ExpertPlacement.expert_rank
         # selector.root_context, verify_context; served_predictor.RootContext.tokens
         + ((2 * max_batch + rows) * _I64 if context else 0)
-        # LiveRecall ema, novel, hits, rows, novel_steps
-        + (layers * (2 * _F32 + _F64) + _F64 + _F32 if live_recall else 0)
+        # LiveRecall novel, trust, cost_fit (2 rows), hits, rows, novel_steps
+        + (layers * (4 * _F32 + _F64) + _F64 + _F32 if live_recall else 0)
     )
 
 
@@ -205,6 +205,7 @@ def after_verify_bytes(
         recall += tokens * layers * (experts * _F32 + top_k * _I64)
         recall += batch * layers * experts * (_F32 + 3 * _BOOL + 2 * _I64)
         recall += 6 * layers * (experts + 1) * _F32
+        # update_cost_fit runs before it, one multi-hot at a time: within the bound above
     return stats + max(observe, recall)  # the recall is measured and freed before observe
 
 

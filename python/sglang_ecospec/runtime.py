@@ -283,8 +283,10 @@ class EcoSpecRuntime:
             if self.selector.copy_rows is not None:  # a copy's experts are its original's
                 rows = rows & ~self.selector.copy_rows[: rows.shape[0]]
             placement = self.selector.placement  # n in the units of the EP cost
+            routing = known.view(*rows.shape, *known.shape[1:])  # [B, D, L, K]
+            live.update_cost_fit(predicted.long().view_as(routing), routing, rows)
             live.update_novel(
-                known.view(*rows.shape, *known.shape[1:]),
+                routing,
                 rows,
                 budget=max(per_request - 1, 1),
                 placement=placement,

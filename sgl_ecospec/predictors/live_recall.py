@@ -13,30 +13,35 @@ from sgl_ecospec.ops.selection_reference import rank_loads
 
 
 class LiveRecall:
-    """Per-layer top-K recall of a predictor on the rows the target verified: an exponential
-    moving average over verify steps (what selection trusts now) and cumulative totals (what
-    a benchmark reports). :meth:`update` runs a fixed number of kernels and no host sync.
+    """Per-layer top-K recall of a predictor on the rows the target verified (cumulative
+    totals, what a benchmark reports), and the trust verify-set selection puts in its
+    predictions. :meth:`update` and :meth:`update_cost_fit` run a fixed number of kernels
+    and no host sync.
 
-    Trust. With K predicted and K true experts per layer, a predicted expert is truly used
-    with probability r_l (the layer's recall); ``w_l = (r_l - K/E) / (1 - K/E)`` is the
-    layer's trust (0 at chance, 1 for a perfect predictor, :meth:`layer_weights`). A
-    candidate's cost in layer l is then the shrinkage estimate
-    ``w_l * predicted_new_l + (1 - w_l) * n_l``: its predicted new experts as far as the
-    predictor is trusted, the rest the new experts a verified candidate really brings to its
-    step's verify pass, n_l, measured after every verify (:meth:`update_novel`). Under uniform
-    routing n_l would be K (1 - K / E)^B; real routing favours popular experts, which the
-    roots hold already, and a candidate shares experts with its parent, so it is measured,
-    starting at K (1 - K / E).
+    Trust. A candidate's cost in layer l is the shrinkage estimate
+    ``w_l * predicted_new_l + (1 - w_l) * n_l``: its predicted new experts as far as they
+    are trusted, the rest n_l, the new experts a verified candidate really brings to its
+    step's verify pass, measured after every verify (:meth:`update_novel`). w_l is the
+    slope of true on predicted new experts among a request's verified candidates
+    (:meth:`update_cost_fit`): 0 for predictions that say nothing about which candidate
+    costs more, 1 for exact ones. Recall does not measure that: on the full testbed the
+    `adjacent` predictor recalls 0.47 (a recall-derived trust (r - K/E) / (1 - K/E) of
+    0.4-0.75 per layer) while its predicted new experts track the true ones with a slope of
+    0.1-0.3; selection trusting the recall traded 0.7% of acceptance for 0.2% of the
+    experts (docs/RESULTS.md). Under uniform routing n_l would be K (1 - K / E)^B; real
+    routing favours popular experts, which the roots hold already, and a candidate shares
+    experts with its parent, so it is measured, starting at K (1 - K / E).
     :meth:`unpredicted_cost` gives the second term summed over layers, a cost every
-    candidate pays alike; :meth:`weigh` applies both to a step's selection. The recall
-    starts at chance, so a cold predictor is trusted with nothing and selection sizes its
-    sets by the measured cost alone.
+    candidate pays alike; :meth:`weigh` applies both to a step's selection. The trust
+    starts at 0, so a cold predictor is trusted with nothing and selection sizes its sets
+    by the measured cost alone.
 
     Args:
         num_layers: L.
         num_experts: E.
         top_k: K.
-        rate: weight in (0, 1] of each verify step's recall in the moving average.
+        rate: weight in (0, 1] of each verify step in the trust's decayed sums and (after
+            the first steps) in n_l's moving average.
         device: where the statistics live.
     """
 
@@ -55,12 +60,15 @@ class LiveRecall:
         if not 0 < rate <= 1:
             raise ValueError(f"rate must be in (0, 1], got {rate}")
         self.rate = float(rate)
-        self.chance = top_k / num_experts
-        self.ema = torch.full((num_layers,), self.chance, dtype=torch.float32, device=device)
         # n_l: the new experts a verified candidate adds to its step's verify pass [L]
-        self.novel = torch.full_like(self.ema, top_k * (1.0 - self.chance))
+        self.novel = torch.full(
+            (num_layers,), top_k * (1.0 - top_k / num_experts), dtype=torch.float32, device=device
+        )
         self.novel_steps = torch.zeros((), dtype=torch.float32, device=device)
         self.hits = torch.zeros(num_layers, dtype=torch.float64, device=device)  # [L]
+        # update_cost_fit's decayed sums of x^2 and x y per layer [2, L], and the trust w_l
+        self.cost_fit = torch.zeros(2, num_layers, dtype=torch.float32, device=device)
+        self.trust = torch.zeros_like(self.novel)
         self.rows = torch.zeros((), dtype=torch.float64, device=device)
 
     @classmethod
@@ -82,14 +90,14 @@ class LiveRecall:
         true: torch.Tensor,
         valid: torch.Tensor | None = None,
     ) -> None:
-        """Adds one verify step.
+        """Adds one verify step to the recall.
 
         Args:
             predicted: int ``[T, L, K]``: the experts predicted for the verified rows.
             true: int ``[T, L, K']``: the experts the target routed them to.
             valid: bool ``[T]`` or None (all): rows that count (e.g. not padding).
         """
-        device = self.ema.device
+        device = self.hits.device
         pred = topk_to_bitmap(predicted.to(device), self.num_experts, validate=False)
         real = topk_to_bitmap(true.to(device), self.num_experts, validate=False)
         found = bitmap_popcount(pred & real).float()  # [T, L]
@@ -99,17 +107,46 @@ class LiveRecall:
             weight = valid.to(device, torch.float32)
         count = weight.sum()
         summed = (per_row * weight[:, None]).sum(0)  # [L]
-        step_recall = summed / count.clamp_min(1.0)
-        self.ema += (self.rate * (count > 0)) * (step_recall - self.ema)
         self.hits += summed.double()
         self.rows += count.double()
+
+    def update_cost_fit(
+        self,
+        predicted: torch.Tensor,
+        routing: torch.Tensor,
+        valid: torch.Tensor | None = None,
+    ) -> None:
+        """Adds one verify step to the trust ``w_l``: the least-squares slope, per layer, of
+        a verified candidate's true new experts y on its predicted new experts x (those
+        outside the roots' true and predicted union: what DeltaCost counts), each taken
+        relative to its request's other verified candidates, since selection weighs a
+        request's candidates against each other. Sums decay by ``rate`` per step; the slope
+        is shrunk towards 0 while they are few, and clamped to [0, 1]. No host sync.
+
+        Args:
+            predicted: int ``[B, R, L, K]``: the predictions of the verify rows, root first
+                (what selection saw).
+            routing: int ``[B, R, L, K]``: the target's routing of the same rows.
+            valid: bool ``[B, R]`` or None (all): rows that count.
+        """
+        weight = torch.ones(routing.shape[:2], device=self.trust.device)
+        if valid is not None:
+            weight = valid.to(weight.device, torch.float32)
+        w = weight[:, 1:, None]  # [B, R - 1, 1]
+        per_request = w.sum(1, keepdim=True).clamp_min(1.0)
+        x, y = (_new_experts(ids, weight, self.num_experts) for ids in (predicted, routing))
+        x = (x - (w * x).sum(1, keepdim=True) / per_request) * w  # [B, R - 1, L]
+        y = (y - (w * y).sum(1, keepdim=True) / per_request) * w
+        self.cost_fit.mul_(1.0 - self.rate).add_(torch.stack([x * x, x * y]).sum((1, 2)))
+        xx, xy = self.cost_fit
+        # + K: a prior of no trust worth about one candidate's spread, so that one step's
+        # few candidates do not swing it
+        torch.clamp(xy / (xx + self.top_k), 0.0, 1.0, out=self.trust)
 
     def layer_weights(self, base: torch.Tensor | None = None) -> torch.Tensor:
         """float32 ``[L]``: each layer's trust ``w_l`` in [0, 1] (times ``base`` ``[L]``, the
         configured layer weights, when given): DeltaCost's per-layer weights."""
-        trust = (self.ema - self.chance) / max(1.0 - self.chance, 1e-12)
-        trust = trust.clamp(0.0, 1.0)
-        return trust if base is None else trust * base.to(trust)
+        return self.trust.clone() if base is None else self.trust * base.to(self.trust)
 
     def unpredicted_cost(self, base: torch.Tensor | None = None) -> torch.Tensor:
         """float32 scalar tensor: the cost a candidate pays beyond its trusted predictions,
@@ -237,6 +274,18 @@ class LiveRecall:
         """Cumulative recall per layer over every row seen (a host sync), or None."""
         rows = float(self.rows)
         return (self.hits / rows).tolist() if rows else None
+
+
+def _new_experts(ids: torch.Tensor, weight: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """float32 ``[B, R - 1, L]``: each candidate's experts outside its step's roots' union
+    (``ids`` int ``[B, R, L, K]``, root first; ``weight`` float ``[B, R]``, 0 for rows that do
+    not count, whose experts join no union)."""
+    batch, rows, layers = ids.shape[:3]
+    multi = torch.zeros(batch, rows, layers, num_experts, device=weight.device)
+    multi.scatter_(3, ids.to(weight.device).long(), 1.0)
+    multi *= weight[:, :, None, None]
+    missing = (multi[:, 0].sum(0) == 0).float()  # [L, E]: experts no root uses
+    return torch.einsum("brle,le->brl", multi[:, 1:], missing)
 
 
 def _fill_amortisation(

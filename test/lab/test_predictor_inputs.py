@@ -85,7 +85,7 @@ def test_cold_trust_selects_as_confidence_and_full_trust_as_ecospec(seed):
         ).selected
         assert torch.equal(got, confidence)
 
-    live.ema.fill_(1.0)  # a perfect predictor is trusted fully
+    live.trust.fill_(1.0)  # a perfect predictor is trusted fully
     trusted, weights = live.weigh(options, None, host_eps=True)
     assert trusted.eps == pytest.approx(0.1) and weights.tolist() == [1.0] * L
     got = select_step(predictor, tokens, scores, parents, 3, options, live_recall=live).selected
@@ -95,7 +95,7 @@ def test_cold_trust_selects_as_confidence_and_full_trust_as_ecospec(seed):
 def test_configured_layer_weights_scale_the_trust():
     predictor = trained_online()
     live = LiveRecall.of(predictor)
-    live.ema.fill_(1.0)
+    live.trust.fill_(1.0)
     base = torch.tensor([1.0, 0.0, 2.0, 1.0], dtype=torch.float64)
     _, weights = live.weigh(SelectionOptions("ecospec"), base, host_eps=True)
     assert weights.tolist() == [1.0, 0.0, 2.0, 1.0]

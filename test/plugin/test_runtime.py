@@ -172,7 +172,10 @@ def test_runtime_feeds_the_live_recall_from_captured_verify_rows():
     )
     try:
         live = runtime.selector.live_recall
-        assert live is runtime.predictor.live_recall and live.ema.tolist() == [0.25, 0.25]
+        assert live is runtime.predictor.live_recall and live.trust.tolist() == [0.0, 0.0]
+        fits = []
+        fit = live.update_cost_fit
+        live.update_cost_fit = lambda *args: (fits.append(args), fit(*args))
         roots = torch.tensor([4, 5])
         runtime.before_decode(SimpleNamespace(is_draft_input=lambda: True, bonus_tokens=roots))
         lists, _ = draft_tree_through_hooks(2, 2, 2, 16, vocab=30)
@@ -189,7 +192,13 @@ def test_runtime_feeds_the_live_recall_from_captured_verify_rows():
         routing.after_capture(None, capture_config, 1, elsewhere[:5])
         runtime.after_verify(SimpleNamespace(draft_token=tokens))
         assert live.rows.item() == 5 and live.hits.tolist() == [5.0, 0.0]
-        assert live.ema.tolist() == pytest.approx([0.25 + 0.05 * 0.75, 0.25 * 0.95])
+        # The trust's fit saw the same rows per request, root first, and what selection
+        # predicted for them; a cold table predicts every candidate alike: no trust yet.
+        ((fit_predicted, fit_routing, fit_valid),) = fits
+        assert torch.equal(fit_predicted.flatten(0, 1), predicted)
+        assert fit_routing.shape == (2, 3, 2, 2)
+        assert fit_valid.tolist() == [[True, True, True], [True, True, False]]
+        assert live.trust.tolist() == [0.0, 0.0]
         assert live.per_layer() == [1.0, 0.0]
     finally:
         runtime.close()

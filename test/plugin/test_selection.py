@@ -156,9 +156,9 @@ def recall_weighted_selector(predictor, **settings):
     return selector
 
 
-def test_recall_weighted_cost_falls_from_ecospec_to_confidence_with_the_recall():
-    """The example above: at recall 1 the recall-weighted cost is EcoSpec's (token 11 adds
-    no expert), at chance (a cold predictor) it trusts no prediction: confidence's 10."""
+def test_recall_weighted_cost_falls_from_ecospec_to_confidence_with_the_trust():
+    """The example above: at trust 1 the recall-weighted cost is EcoSpec's (token 11 adds
+    no expert), at trust 0 (a cold predictor) it trusts no prediction: confidence's 10."""
     score_list = [torch.tensor([[[0.55, 0.45]]])]
     token_list = [torch.tensor([[10, 11]])]
     parents_list = [torch.tensor([[-1, 0, 1]])]
@@ -169,18 +169,18 @@ def test_recall_weighted_cost_falls_from_ecospec_to_confidence_with_the_recall()
         settings, predictor, topk=2, num_draft_tokens=2, max_batch=2, device="cpu"
     )
     live = selector.live_recall
-    for recall, want in [(1.0, 11), (0.6, 11), (0.3, 10), (0.25, 10)]:  # chance: 2/8
-        live.ema.fill_(recall)
+    for trust, want in [(1.0, 11), (0.47, 11), (0.07, 10), (0.0, 10)]:
+        live.trust.fill_(trust)
         selector.set_roots(torch.tensor([1]))
         _, _, draft_tokens = selector.organize(score_list, token_list, parents_list, 2)
-        assert draft_tokens.tolist() == [[want]], recall
+        assert draft_tokens.tolist() == [[want]], trust
 
 
 def test_recall_weighted_cost_is_the_librarys_rule_without_a_host_read(monkeypatch):
     """On SGLang trees the plugin's verify sets are those of the offline engine's rule
     (``LiveRecall.weigh`` with ``host_eps``: layer weights w_l, eps raised by the
     unpredicted cost of the step's buffer, a host read): the plugin folds that eps into the
-    layer weights on the device. At recall 1 the plain EcoSpec selection."""
+    layer weights on the device. At trust 1 the plain EcoSpec selection."""
     calls = []
     real = library_step.select_verify_set
 
@@ -204,9 +204,9 @@ def test_recall_weighted_cost_is_the_librarys_rule_without_a_host_read(monkeypat
         device="cpu",
     )
     roots = torch.tensor([5, 6, 7, 8])
-    for recall in ([0.9, 0.5, 0.2], [0.6, 0.125, 0.3], [1.0, 1.0, 1.0]):  # chance: 2/16
+    for trust in ([0.89, 0.43, 0.09], [0.54, 0.0, 0.2], [1.0, 1.0, 1.0]):
         live = selector.live_recall
-        live.ema.copy_(torch.tensor(recall))
+        live.trust.copy_(torch.tensor(trust))
         selector.set_roots(roots)
         calls.clear()
         got = selector.organize(*tree, 7)
@@ -218,5 +218,5 @@ def test_recall_weighted_cost_is_the_librarys_rule_without_a_host_read(monkeypat
         assert torch.equal(got[1], real(*args, **library))
     plain.set_roots(roots)
     calls.clear()
-    assert torch.equal(plain.organize(*tree, 7)[1], got[1])  # recall 1: plain EcoSpec
+    assert torch.equal(plain.organize(*tree, 7)[1], got[1])  # trust 1: plain EcoSpec
     assert calls[0][1]["layer_weights"] is None

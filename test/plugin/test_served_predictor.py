@@ -302,7 +302,7 @@ def test_context_selection_and_learning_stay_on_the_device(monkeypatch):
             device="cpu",
             timer=metrics.PredictTimer("cpu"),
         )
-        selector.live_recall.ema.copy_(torch.tensor([0.7, 0.4]))
+        selector.live_recall.trust.copy_(torch.tensor([0.7, 0.4]))
         selector.set_roots(torch.tensor([5, 6]), torch.tensor([7, -1]))
         selector.options_for(2)  # options are built once per eps, before any capture
         return selector

@@ -44,22 +44,18 @@ def test_invalid_rows_do_not_count():
     assert float(live.rows) == 2
 
 
-def test_trust_starts_at_zero_and_follows_recall():
+def test_trust_starts_at_zero_and_scales_with_the_layer_weights():
     live = LiveRecall(L, E, K, rate=0.5)
     assert live.recall() is None and live.per_layer() is None
     assert torch.equal(live.layer_weights(), torch.zeros(L))
     # A cold predictor is worth nothing: every expert a candidate brings is unpredicted.
     assert float(live.unpredicted_cost()) == pytest.approx(L * K * (1 - K / E))
-    true = random_routing(1)
-    pred = true.clone()
-    pred[:, 0] = random_routing(2)[:, 0]  # layer 0 mostly wrong, layers 1-2 perfect
-    for _ in range(30):
-        live.update(pred, true)
-    weights = live.layer_weights()
-    assert weights[1:].tolist() == pytest.approx([1.0, 1.0])
-    assert 0 <= float(weights[0]) < 0.3
+    live.trust.copy_(torch.tensor([0.2, 1.0, 0.0]))
     base = torch.tensor([2.0, 1.0, 0.5], dtype=torch.float64)
-    assert live.layer_weights(base).tolist() == pytest.approx((weights * base.float()).tolist())
+    assert live.layer_weights().tolist() == pytest.approx([0.2, 1.0, 0.0])
+    assert live.layer_weights(base).tolist() == pytest.approx([0.4, 1.0, 0.0])
+    novel = K * (1 - K / E)
+    assert float(live.unpredicted_cost()) == pytest.approx(novel * (0.8 + 0.0 + 1.0))
 
 
 def test_novel_experts_of_the_verified_candidates():
@@ -105,7 +101,7 @@ def test_novel_experts_of_the_verified_candidates():
     assert torch.equal(twins.novel, before)
 
     # A trusted layer's measured cost counts only as far as it is not trusted.
-    fresh.ema.fill_(1.0)
+    fresh.trust.fill_(1.0)
     assert float(fresh.unpredicted_cost()) == pytest.approx(0.0)
 
 
@@ -176,3 +172,47 @@ def test_of_attaches_one_tracker_per_predictor():
 def test_rate_is_checked():
     with pytest.raises(ValueError, match="rate"):
         LiveRecall(L, E, K, rate=0)
+
+
+def steps_of_routing(gen, count, batch=2, rows=4):
+    return [
+        torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(batch * rows * L)]).view(
+            batch, rows, L, K
+        )
+        for _ in range(count)
+    ]
+
+
+def test_trust_is_the_slope_of_true_on_predicted_new_experts():
+    """0 when cold, near 1 for a perfect predictor, near 0 for one independent of the
+    routing, and 0 for one whose recall is high but whose new experts are the candidate's
+    own replaced by others (the count is right, which candidate costs more is not); rows
+    that do not count change nothing."""
+    gen = torch.Generator().manual_seed(0)
+    perfect, independent = LiveRecall(L, E, K), LiveRecall(L, E, K)
+    for routing, other in zip(steps_of_routing(gen, 100), steps_of_routing(gen, 100), strict=True):
+        perfect.update_cost_fit(routing, routing)
+        independent.update_cost_fit(other, routing)
+    assert float(perfect.trust.min()) > 0.9  # shrunk a little by the prior
+    assert float(independent.trust.max()) < 0.15
+    before = (perfect.cost_fit.clone(), perfect.trust.clone())
+    routing = steps_of_routing(gen, 1)[0]
+    perfect.update_cost_fit(routing, routing, torch.zeros(2, 4, dtype=torch.bool))
+    assert torch.allclose(perfect.cost_fit, before[0] * (1 - perfect.rate))
+    assert torch.all(perfect.trust <= before[1])  # older evidence weighs less
+    assert torch.allclose(perfect.trust, before[1], atol=0.01)
+
+
+def test_trust_compares_a_requests_candidates_not_whole_steps():
+    """Selection weighs a request's candidates against each other, so the fit reads how
+    they differ: candidates that all bring a request the same new experts, however many
+    from step to step and however exactly predicted, are no evidence either way."""
+    gen = torch.Generator().manual_seed(1)
+    live = LiveRecall(L, E, K)
+    roots = torch.arange(K).expand(2, 1, L, K)
+    for _ in range(50):
+        new = int(torch.randint(K + 1, (1,), generator=gen))  # this step's new experts
+        ids = torch.cat([torch.arange(new) + K, torch.arange(K - new)])
+        routing = torch.cat([roots, ids.expand(2, 3, L, K)], 1)
+        live.update_cost_fit(routing, routing)
+    assert torch.equal(live.trust, torch.zeros(L))

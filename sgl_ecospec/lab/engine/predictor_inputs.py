@@ -46,7 +46,8 @@ def record_recall(
     total_weight: float | None = None,
 ) -> None:
     """Adds a verify step to the predictor's :class:`LiveRecall` (attached on first use):
-    the recall on every verified row, and the new experts the verified candidates bring.
+    the recall on every verified row, the trust in the predicted new experts, and the new
+    experts the verified candidates bring.
 
     Args:
         chosen: the step's selection (its ``verify_predicted`` ``[B, 1 + S, L, K]``).
@@ -59,4 +60,5 @@ def record_recall(
     """
     live = LiveRecall.of(predictor, routing.device)
     live.update(chosen.verify_predicted[valid], routing[valid])
+    live.update_cost_fit(chosen.verify_predicted, routing, valid)
     live.update_novel(routing, valid, budget=budget, placement=placement, total_weight=total_weight)
