@@ -109,10 +109,10 @@ class EcoSpecSettings:
         learn: update a count-table predictor from the routing of every verify pass (a head
             is not updated).
         recall_weighted_cost: DeltaCost trusts only what the predictor knows: each MoE
-            layer's predicted experts weighted by the predictor's live recall there
-            (:class:`sgl_ecospec.predictors.LiveRecall`, fed from the verify routing), so that
-            as recall falls selection approaches "confidence". Needs policy "ecospec" or
-            "adaptive".
+            layer's predicted experts weighted by how far they track the verified candidates'
+            true new experts there (:class:`sgl_ecospec.predictors.LiveRecall`, fed from the
+            verify routing), so that as that trust falls selection approaches "confidence".
+            Needs policy "ecospec" or "adaptive".
         num_buckets, prior_weight, halve_every: the online predictor's table size, prior
             pseudo-count and ageing period (see its docstring); ignored with predictor_file,
             which carries its own, and by the other predictors.

@@ -26,8 +26,8 @@ class LiveRecall:
     (:meth:`update_cost_fit`): 0 for predictions that say nothing about which candidate
     costs more, 1 for exact ones. Recall does not measure that: on the full testbed the
     `adjacent` predictor recalls 0.47 (a recall-derived trust (r - K/E) / (1 - K/E) of
-    0.4-0.75 per layer) while its predicted new experts track the true ones with a slope of
-    0.1-0.3; selection trusting the recall traded 0.7% of acceptance for 0.2% of the
+    0.38-0.75 per layer) while its predicted new experts track the true ones with a slope of
+    0.01-0.30; selection trusting the recall traded 0.7% of acceptance for 0.2% of the
     experts (docs/RESULTS.md). Under uniform routing n_l would be K (1 - K / E)^B; real
     routing favours popular experts, which the roots hold already, and a candidate shares
     experts with its parent, so it is measured, starting at K (1 - K / E).

@@ -43,8 +43,9 @@ def add_recall_weighted_argument(group) -> None:
     group.add_argument(
         "--recall-weighted-cost",
         action="store_true",
-        help="weigh each layer's DeltaCost by the predictor's live recall above chance and add "
-        "the experts it misses to eps, so that as recall falls ecospec approaches confidence",
+        help="weigh each layer's DeltaCost by the predictor's live trust (how far its predicted "
+        "new experts track the verified candidates' true ones) and add the measured cost of "
+        "the rest to eps, so that as the trust falls ecospec approaches confidence",
     )
 
 
