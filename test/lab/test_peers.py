@@ -191,7 +191,7 @@ SPEEDUPS = {
 def _batch(policies):
     ran = []
 
-    def run_policy(policy, gate):
+    def run_policy(policy, gate, ep_size):
         entry = {"policy": policy}
         if gate is not None:
             entry["speculates"] = {"p": {str(r): on for (_, r), on in gate.items()}}
@@ -217,12 +217,16 @@ def test_sweep_gates_cascade_by_confidence_and_adaptive_by_itself():
     assert (entries, rows) == forward[:2]
     assert ran.index("confidence") < ran.index("cascade")  # cascade's gate input first
     # adaptive's own run pays at both keys, whatever confidence's prediction.
-    assert entries["adaptive"]["speculates"] == {"p": {"1": True, "8": True}}
+    assert [e["speculates"] for e in entries["adaptive"]] == [
+        {"p": {"1": True}},
+        {"p": {"8": True}},
+    ]
     assert rows["adaptive"][("p", 1)] == {"speculates": True, "speedup": 1.1}
-    assert entries["cascade"]["speculates"] == {"p": {"1": False, "8": True}}
+    assert [e["speculates"] for e in entries["cascade"]] == [{"p": {"1": False, "8": True}}]
     assert rows["cascade"][("p", 1)] == {"speculates": False, "speedup": 1.0}
     assert rows["cascade"][("p", 8)] == {"speculates": True, "speedup": 1.3}
-    assert "speculates" not in entries["evict"]  # evict is not gated
+    assert len(entries["evict"]) == 2  # one run per EP size, not gated
+    assert all("speculates" not in e for e in entries["evict"])
     assert rows["evict"][("p", 1)]["speedup"] == 0.95
 
 

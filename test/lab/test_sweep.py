@@ -98,6 +98,26 @@ def test_selection_configs_follow_the_cost_model():
     for kwargs in configs.values():
         spec = SpecConfig(**kwargs)
         assert spec.budget == 4 and spec.share_buffer
+    # At EP 4 adaptive and evict select with the 4-GPU group's cost, the others as at EP 1.
+    at4 = sweep_plan.selection_configs(cfg, 32, 6.0, testbed, ep_size=4)
+    perf4 = performance_model("qwen3-235b-a22b", "4xh200")
+    cost4_steps = selection_cost(perf4, 32, 5, draft_steps=3, ep_size=4)
+    assert at4["adaptive"]["eps"] == cost4_steps.eps
+    assert at4["adaptive"]["step_cost"] == cost4_steps.step_cost != cost.step_cost
+    assert at4["adaptive"]["layer_weights"] == adaptive["layer_weights"]
+    assert at4["evict"]["evict_seconds"] == peers.evict_step_seconds(perf4, 32, 4, 3)
+    assert at4["evict"]["evict_seconds"] != configs["evict"]["evict_seconds"]
+    for policy in ("confidence", "ecospec", "ecospec-ep", "cascade"):
+        assert at4[policy] == configs[policy]
+    assert sweep_plan.selection_groups("adaptive", [("p", 1), ("q", 4), ("p", 4)]) == [
+        (1, [("p", 1)]),
+        (4, [("q", 4), ("p", 4)]),
+    ]
+    assert sweep_plan.selection_groups("confidence", [("p", 1), ("p", 4)]) == [
+        (None, [("p", 1), ("p", 4)])
+    ]
+    policies = ("confidence", "adaptive", "evict", "cascade")
+    assert sweep_plan.runs_per_batch(policies, (1, 4)) == 7
     assert configs["confidence"] == {
         "topk": 4,
         "num_steps": 3,
@@ -280,9 +300,11 @@ def test_sweep_report_schema_and_plot(fitted_report):
     assert [g["batch_size"] for g in rep["greedy"]] == BATCHES
     assert [g["prompts"] for g in rep["greedy"]] == [2, 4]
     policies = rep["config"]["policies"]
-    assert len(rep["runs"]) == len(BATCHES) * len(policies)
+    # adaptive and evict run once per EP size (1 and 4), each selecting for it.
+    assert len(rep["runs"]) == len(BATCHES) * (len(policies) + 2)
     assert len(rep["rows"]) == len(BATCHES) * len(policies) * len(PROFILES) * 2
     for run in rep["runs"]:
+        assert ("selection_ep_size" in run) == (run["policy"] in sweep_plan.EP_SELECTED)
         if run["ran"]:
             assert run["lossless"] is True and run["mismatches"] == []
             assert 1.0 <= run["accept_length"] <= 4.0
@@ -339,19 +361,25 @@ def test_sweep_report_schema_and_plot(fitted_report):
 def test_adaptive_is_never_slower_than_no_speculation(fitted_report):
     rep, _ = fitted_report
     rows = {(r["batch_size"], r["policy"], r["profile"], r["ep_size"]): r for r in rep["rows"]}
-    runs = {(r["batch_size"], r["policy"]): r for r in rep["runs"]}
+    runs = {
+        (r["batch_size"], r["policy"], r["selection_ep_size"]): r
+        for r in rep["runs"]
+        if r["policy"] == "adaptive"
+    }
     for (batch, policy, profile, ranks), row in rows.items():
         if policy != "adaptive":
             continue
+        run = runs[batch, "adaptive", ranks]  # the run that selected for this EP size
         # The gate: speculate exactly where the adaptive run itself is predicted to pay (its
         # own figure is kept when it closed the gate), whatever confidence's prediction.
         own = row["speedup"] if row["speculates"] else row["rule_speedup"]
         assert row["speculates"] == (own > 1.0)
         if "rule_speedup" in row:
             assert row["rule_speedup"] <= 1.0
-        assert runs[batch, "adaptive"]["speculates"][profile][str(ranks)] == row["speculates"]
+        assert run["speculates"][profile] == {str(ranks): row["speculates"]}
         if row["speculates"]:
-            assert row["accept_length"] == runs[batch, "adaptive"]["accept_length"]
+            assert row["accept_length"] == run["accept_length"]
+            assert row["verified_per_request"] == run["verified_per_request"]
         else:
             assert row["speedup"] == 1.0 and row["step_ms"] == row["ar_ms"]
         assert row["speedup"] >= 1.0
@@ -508,4 +536,4 @@ def test_paired_sweep_on_the_engine(tiny_models, tmp_path):
     assert len(checks["ecospec_ep_lowers_busiest_rank_paired"]["detail"]) == len(BATCHES)
     printed = sweep_report.format_tables(rep)
     assert "# paired on the same trees" in printed
-    assert "ecospec-ep ecospec" in printed
+    assert "ecospec-ep   ecospec " in printed

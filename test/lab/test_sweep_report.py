@@ -177,18 +177,21 @@ SPEEDUPS = {
 def _batch(policies, speedups=SPEEDUPS):
     ran = []
 
-    def run_policy(policy, gate):
+    def run_policy(policy, gate, ep_size):
         entry = {"policy": policy}
+        if ep_size is not None:
+            entry["selection_ep_size"] = ep_size
         if gate is not None:
             entry["speculates"] = {"p": {}, "q": {}}
             for (p, r), on in gate.items():
                 entry["speculates"][p][str(r)] = on
             if not any(gate.values()):
                 return {**entry, "ran": False}, None
-        ran.append(policy)
+        ran.append((policy, ep_size))
         return {**entry, "ran": True}, ["a step"]
 
     def price(entry, steps, key):
+        assert entry.get("selection_ep_size", key[1]) == key[1]  # priced with its EP's run
         return {"speculates": True, "speedup": speedups[entry["policy"]][key]}
 
     def no_speculation(key):
@@ -203,18 +206,23 @@ def test_adaptive_gate_does_not_depend_on_the_order_of_policies():
     for order in (["adaptive", "ecospec", "confidence"], ["ecospec", "adaptive", "confidence"]):
         entries, rows, _ = _batch(order)
         assert (entries, rows) == forward[:2]
-    entries, rows, _ = forward
+    entries, rows, ran = forward
+    # adaptive runs once per EP size, each run gated for its own keys.
+    assert [r for r in ran if r[0] == "adaptive"] == [("adaptive", 1), ("adaptive", 8)]
+    assert ("confidence", None) in ran and ("ecospec", None) in ran
+    at1, at8 = entries["adaptive"]
     # Its own run pays everywhere, also where confidence does not (("p", 1), ("q", 8)).
-    assert entries["adaptive"]["speculates"] == {"p": {"1": True, "8": True}, "q": {"8": True}}
+    assert at1["speculates"] == {"p": {"1": True}, "q": {}}
+    assert at8["speculates"] == {"p": {"8": True}, "q": {"8": True}}
     assert rows["adaptive"][("p", 8)] == {"speculates": True, "speedup": 1.2}
     assert rows["adaptive"][("q", 8)] == {"speculates": True, "speedup": 1.05}
     # Where adaptive's own run is no faster, its bucket closes and keeps the run's figure.
     slow = {**SPEEDUPS, "adaptive": {k: 0.99 for k in KEYS}}
     entries, rows, _ = _batch(["adaptive", "confidence"], slow)
     assert rows["adaptive"][("p", 8)] == {"speculates": False, "speedup": 1.0, "rule_speedup": 0.99}
-    assert entries["adaptive"]["speculates"]["p"]["8"] is False
+    assert entries["adaptive"][1]["speculates"]["p"]["8"] is False
     # Confidence's prediction does not close it: adaptive runs and prices its own run.
     never = {**SPEEDUPS, "confidence": {k: 0.5 for k in KEYS}}
     entries, rows, ran = _batch(["adaptive", "confidence"], never)
-    assert entries["adaptive"]["ran"] is True and "adaptive" in ran
+    assert all(e["ran"] for e in entries["adaptive"]) and ("adaptive", 1) in ran
     assert rows["adaptive"][("p", 1)] == {"speculates": True, "speedup": 1.1}

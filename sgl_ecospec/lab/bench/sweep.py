@@ -17,11 +17,17 @@ greedily (no speculation, the baseline every speedup is over) and once per polic
   greedy run there (speedup 1; ``rule_speedup`` keeps the run's own figure).
   ``select_verify_set(policy="adaptive")`` takes ``ecospec``'s nodes only while they raise
   the step's tokens per cost, with eps and the step's starting account from
-  ``selection_cost`` (primary profile, batch B); with ``--recall-weighted-cost`` (also for
-  ``ecospec``) DeltaCost trusts only what the predictor knows.
+  ``selection_cost`` (primary profile, batch B, the EP group's cost); with
+  ``--recall-weighted-cost`` (also for ``ecospec``) DeltaCost trusts only what the
+  predictor knows.
 - ``evict`` (a peer, ``bench.peers``): confidence's choice cut per step to the prefix of
   its order that maximises expected tokens per predicted step time, the time of the primary
   profile at batch B depending on the number of verified tokens only (``engine.evict``).
+
+``adaptive`` and ``evict`` size their sets by the deployment's step cost, so each runs once
+per ``--ep-sizes`` entry, selecting with that EP group's cost model as a server at that EP
+size would (``sweep_plan.EP_SELECTED``), and each EP size is priced with its own run
+(``adaptive@EP8`` in the tables).
 - ``cascade`` (a peer): confidence selection behind Cascade's gate per batch size, profile
   and EP size (confidence's own predicted speedup above 1); where open, its run is
   confidence's own (reused, not decoded again), where closed it is the greedy run (speedup 1).

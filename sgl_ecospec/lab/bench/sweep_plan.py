@@ -10,17 +10,40 @@ from sgl_ecospec.lab.config import SWEEP_POLICIES as POLICIES
 from sgl_ecospec.lab.config import SweepConfig
 
 __all__ = [
+    "EP_SELECTED",
     "PAIRED_AGAINST",
     "POLICIES",
     "ep_hardware",
     "prompts_per_batch_size",
+    "runs_per_batch",
     "selection_configs",
+    "selection_groups",
     "selection_record",
     "testbed_expert_weight",
 ]
 
 # With --paired: the policy each run's steps also score (the one it is measured against).
 PAIRED_AGAINST = {"ecospec": "confidence", "ecospec-ep": "ecospec", "adaptive": "evict"}
+# Policies whose verify-set size follows the deployment's step cost, so that a server at EP R
+# selects with EP R's cost model (the plugin's eps table, EVICT's profiled step time): the
+# sweep runs them once per EP size and prices each EP size with its own run.
+EP_SELECTED = ("evict", "adaptive")
+
+
+def selection_groups(policy: str, keys) -> list[tuple[int | None, list]]:
+    """The runs of ``policy`` at one batch size: (EP size it selects for, the (profile, EP
+    size) keys priced with that run). Policies in :data:`EP_SELECTED` run once per EP size
+    among ``keys``; the others once for every key (EP size None: selection at EP 1)."""
+    keys = list(keys)
+    if policy not in EP_SELECTED:
+        return [(None, keys)]
+    return [(r, [k for k in keys if k[1] == r]) for r in sorted({r for _, r in keys})]
+
+
+def runs_per_batch(policies, ep_sizes) -> int:
+    """Decoding runs per batch of prompts at one batch size: the greedy one, one per policy,
+    one per EP size for the :data:`EP_SELECTED` ones."""
+    return 1 + sum(len(set(ep_sizes)) if p in EP_SELECTED else 1 for p in policies)
 
 
 def prompts_per_batch_size(batch: int, num_prompts: int) -> int:
@@ -66,7 +89,9 @@ def _union_slope(t: float, num_experts: int, top_k: int) -> float:
     return -num_experts * log_miss * math.exp(t * log_miss)
 
 
-def selection_configs(cfg: SweepConfig, batch: int, root_union: float, testbed: dict) -> dict:
+def selection_configs(
+    cfg: SweepConfig, batch: int, root_union: float, testbed: dict, *, ep_size: int = 1
+) -> dict:
     """``SpecConfig`` keyword arguments per policy at batch size ``batch``.
 
     Args:
@@ -74,6 +99,11 @@ def selection_configs(cfg: SweepConfig, batch: int, root_union: float, testbed: 
         batch: B.
         root_union: the greedy run's mean distinct experts per layer per step at B.
         testbed: ``{"num_layers", "num_experts", "top_k"}`` of the target.
+        ep_size: the EP size the :data:`EP_SELECTED` policies select for: adaptive's eps and
+            step cost from ``selection_cost(ep_size=)`` on that EP group's hardware (as the
+            plugin's eps table under EP), evict's step seconds on that hardware. The other
+            policies do not depend on it (``ecospec`` selects at EP 1, ``ecospec-ep`` at the
+            largest EP size).
 
     Returns:
         policy -> dict of ``SpecConfig`` fields (see the module docstring); those of the
@@ -82,6 +112,7 @@ def selection_configs(cfg: SweepConfig, batch: int, root_union: float, testbed: 
     from sgl_ecospec.costmodel import selection_cost
 
     perf = performance_model(cfg.profiles[0], cfg.hardware)
+    perf_selected = performance_model(cfg.profiles[0], ep_hardware(cfg.hardware, ep_size))
     budget, layers = cfg.budget, testbed["num_layers"]
     weight = testbed_expert_weight(
         root_union,
@@ -100,6 +131,9 @@ def selection_configs(cfg: SweepConfig, batch: int, root_union: float, testbed: 
     # The expert-aware policies' cost trusts only what the predictor knows (--recall-weighted-cost).
     trust = {"recall_weighted_cost": cfg.recall_weighted_cost}
     cost = selection_cost(perf, batch, budget + 1, draft_steps=cfg.steps)
+    cost_selected = selection_cost(
+        perf_selected, batch, budget + 1, draft_steps=cfg.steps, ep_size=ep_size
+    )
     configs = {
         "confidence": {**base, "policy": "confidence"},
         "ecospec": {
@@ -113,14 +147,14 @@ def selection_configs(cfg: SweepConfig, batch: int, root_union: float, testbed: 
             **base,
             **trust,
             "policy": "adaptive",
-            "eps": cost.eps,
+            "eps": cost_selected.eps,
             "layer_weights": weights,
-            "step_tokens": cost.step_tokens,
-            "step_cost": cost.step_cost,
+            "step_tokens": cost_selected.step_tokens,
+            "step_cost": cost_selected.step_cost,
         },
         "evict": {
             **base,
-            **peers.spec_fields("evict", perf, batch, budget, cfg.steps),
+            **peers.spec_fields("evict", perf_selected, batch, budget, cfg.steps),
         },
         # Where its gate is open cascade decodes as confidence does (sweep_run reuses that run).
         "cascade": {**base, **peers.spec_fields("cascade", perf, batch, budget, cfg.steps)},

@@ -31,12 +31,16 @@ METHOD = {
     ),
     "selection": (
         "eps (and adaptive's step_cost) from costmodel.selection_cost of the primary profile "
-        "at each batch size; every testbed layer weighs moe_layers / L_t times the profile "
+        "at each batch size; adaptive and evict run once per EP size and select with that EP "
+        "group's cost (selection_cost(ep_size=R) on R x the hardware, as the server's eps "
+        "table under EP; evict's step seconds on that hardware), and each EP size is priced "
+        "with its own run; ecospec selects at EP 1, ecospec-ep at the largest EP size; every "
+        "testbed layer weighs moe_layers / L_t times the profile "
         "experts one testbed expert stands for at the roots' union (the slope ratio of the "
         "effective-token scaling, the pricing's own exchange rate there); with "
         "--recall-weighted-cost the expert-aware policies trust predictions by the "
-        "predictor's live recall and price the rest by the new experts verified candidates "
-        "really brought (LiveRecall)"
+        "slope of true on predicted new experts and price the rest by the new experts "
+        "verified candidates really brought (LiveRecall)"
     ),
     "adaptive_gate": (
         "per (batch size, profile, EP size): speculate only where the adaptive run at that "
@@ -47,8 +51,8 @@ METHOD = {
     "evict": (
         "EVICT's rule: per step, confidence's choice cut to the prefix of its order that "
         "maximises (1 + sum of the prefix's draft probabilities) / predicted step seconds, the "
-        "seconds of the primary profile at each batch size with uniform-routing experts (they "
-        "depend on the number of verified tokens only)"
+        "seconds of the primary profile at each batch size on each EP size's hardware with "
+        "uniform-routing experts (they depend on the number of verified tokens only)"
     ),
     "cascade_gate": (
         "cascade is confidence selection behind adaptive's gate rule: per (batch size, "
@@ -236,13 +240,20 @@ def _fmt(value, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+def run_label(entry: dict) -> str:
+    """A run's policy, with the EP size it selected for where it ran once per EP size
+    (``adaptive@EP8``)."""
+    ep_size = entry.get("selection_ep_size")
+    return entry["policy"] if ep_size is None else f"{entry['policy']}@EP{ep_size}"
+
+
 def run_line(entry: dict) -> str:
     """The line printed after each run: the testbed metrics, lossless status, seconds."""
     busiest = ", ".join(
         f"EP{r} {v:.2f}" for r, v in entry["busiest_rank_experts"].items() if r != "1"
     )
     return (
-        f"batch {entry['batch_size']:3d} {entry['policy']:<10} accept "
+        f"batch {entry['batch_size']:3d} {run_label(entry):<12} accept "
         f"{entry['accept_length']:.3f}, verified/request {entry['verified_per_request']:.2f}, "
         f"experts {entry['experts_per_layer_step']:.2f}"
         + (f", busiest {busiest}" if busiest else "")
@@ -272,12 +283,12 @@ def format_tables(rep: dict) -> str:
     EP size, then the bars."""
     cfg = rep["config"]
     ranks = [r for r in cfg["ep_sizes"] if r > 1]
-    head = "batch policy     accept verif/req experts " + " ".join(f"busy@EP{r}" for r in ranks)
+    head = "batch policy       accept verif/req experts " + " ".join(f"busy@EP{r}" for r in ranks)
     lines = ["# measured on the testbed", head + " recall lossless"]
     greedy = {g["batch_size"]: g for g in rep["greedy"]}
     runs = [("none", greedy[b]) for b in cfg["batch_sizes"]]
     runs = sorted(
-        runs + [(e["policy"], e) for e in rep["runs"]],
+        runs + [(run_label(e), e) for e in rep["runs"]],
         key=lambda x: (x[1]["batch_size"], x[0] != "none"),
     )
     for policy, e in runs:
@@ -291,7 +302,7 @@ def format_tables(rep: dict) -> str:
             status = metrics.lossless_status(e)
         cells = [
             f"{e['batch_size']:5d}",
-            f"{policy:<10}",
+            f"{policy:<12}",
             f"{_fmt(1.0 if baseline else e.get('accept_length'), '.3f'):>6}",
             f"{_fmt(1.0 if baseline else e.get('verified_per_request'), '.2f'):>9}",
             f"{_fmt(e.get('experts_per_layer_step'), '.2f'):>7}",
@@ -305,13 +316,13 @@ def format_tables(rep: dict) -> str:
         lines += [
             "",
             "# paired on the same trees: run minus the compared policy's set, mean +- stderr",
-            "batch policy     against    experts diff      +-  "
+            "batch policy       against    experts diff      +-  "
             + " ".join(f"busy@EP{r} diff     +-" for r in ranks)
             + "  draft score diff  accepted diff  differ",
         ]
         for e in paired:
             p = e["paired"]
-            cells = [f"{e['batch_size']:5d} {e['policy']:<10} {p['against']:<10}"]
+            cells = [f"{e['batch_size']:5d} {run_label(e):<12} {p['against']:<10}"]
             for name in ["experts_per_layer_step"] + [f"busiest_rank_experts_ep{r}" for r in ranks]:
                 cells.append(f"{p[name]['difference']:+12.3f} {p[name]['stderr']:6.3f}")
             accepted = p.get("accepted", {}).get("difference")

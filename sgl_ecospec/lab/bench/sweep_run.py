@@ -22,10 +22,12 @@ from sgl_ecospec.lab.bench.sweep_plan import (
     PAIRED_AGAINST,
     ep_hardware,
     prompts_per_batch_size,
+    runs_per_batch,
     selection_configs,
+    selection_groups,
     selection_record,
 )
-from sgl_ecospec.lab.bench.sweep_report import checks, new_report, run_line
+from sgl_ecospec.lab.bench.sweep_report import checks, new_report, run_label, run_line
 from sgl_ecospec.lab.config import GATED_POLICIES, SweepConfig
 from sgl_ecospec.lab.datasets import render_chat
 
@@ -146,16 +148,22 @@ def no_speculation_row(greedy: dict, ar) -> dict:
 
 
 def batch_results(policies, keys, run_policy, price, no_speculation) -> tuple[dict, dict]:
-    """Every policy's run entry and priced rows at one batch size, keyed by policy.
+    """Every policy's run entries and priced rows at one batch size, keyed by policy.
 
     Args:
         policies: the policies to run, in any order: the result does not depend on it.
         keys: the (profile, EP size) pairs to price.
-        run_policy: ``(policy, gate) -> (entry, steps)`` runs the policy (``gate``: None, or
-            per key for a gated policy, adaptive or cascade); ``steps`` is None for a run the
-            closed gate skipped.
+        run_policy: ``(policy, gate, ep_size) -> (entry, steps)`` runs the policy (``gate``:
+            None, or per key for a gated policy, adaptive or cascade; ``ep_size``: the EP
+            size it selects for, None for a policy run once for every key,
+            ``sweep_plan.selection_groups``); ``steps`` is None for a run the closed gate
+            skipped.
         price: ``(entry, steps, key) -> row`` of a run that speculated.
         no_speculation: ``key -> row`` of the greedy run.
+
+    Returns:
+        (policy -> list of run entries, policy -> key -> row); a key's row comes from the run
+        whose group holds it.
 
     cascade's gate (``peers.utility_gate``) reads confidence's rows from the results keyed
     by policy, so it runs after the others; adaptive's gate is open until its own run is
@@ -164,24 +172,25 @@ def batch_results(policies, keys, run_policy, price, no_speculation) -> tuple[di
     """
     entries, rows = {}, {}
     for policy in sorted(policies, key=lambda p: p == "cascade"):  # the gate's inputs first
-        gate = None
-        if policy == "cascade":
-            gate = utility_gate(rows["confidence"])
-        elif policy in GATED_POLICIES:
-            gate = dict.fromkeys(keys, True)
-        entry, steps = run_policy(policy, gate)
-        rows[policy] = {}
-        for key in keys:
-            if steps is None or (gate is not None and not gate[key]):
-                row = no_speculation(key)
-            else:
-                row = price(entry, steps, key)
-                if gate is not None and row["speedup"] <= 1.0:
-                    # the gated policy's own run at B is no faster: its bucket turns off.
-                    entry["speculates"][key[0]][str(key[1])] = False
-                    row = {**no_speculation(key), "rule_speedup": row["speedup"]}
-            rows[policy][key] = row
-        entries[policy] = entry
+        entries[policy], rows[policy] = [], {}
+        for ep_size, group in selection_groups(policy, keys):
+            gate = None
+            if policy == "cascade":
+                gate = utility_gate({key: rows["confidence"][key] for key in group})
+            elif policy in GATED_POLICIES:
+                gate = dict.fromkeys(group, True)
+            entry, steps = run_policy(policy, gate, ep_size)
+            for key in group:
+                if steps is None or (gate is not None and not gate[key]):
+                    row = no_speculation(key)
+                else:
+                    row = price(entry, steps, key)
+                    if gate is not None and row["speedup"] <= 1.0:
+                        # the gated policy's own run at B is no faster: its bucket turns off.
+                        entry["speculates"][key[0]][str(key[1])] = False
+                        row = {**no_speculation(key), "rule_speedup": row["speedup"]}
+                rows[policy][key] = row
+            entries[policy].append(entry)
     return entries, rows
 
 
@@ -209,20 +218,26 @@ def run_batch(cfg: SweepConfig, engine, batch: int, groups, prompts, perfs, prog
         key: ep_cost.price_steps(greedy_steps, perf, **shape, ep_size=key[1])
         for key, perf in perfs.items()
     }
-    configs = selection_configs(cfg, batch, root_union, testbed)
-    decoded = {}  # policy -> (entry, steps) of the runs that decoded
+    configs = {
+        r: selection_configs(cfg, batch, root_union, testbed, ep_size=r)
+        for r in sorted({1, *cfg.ep_sizes})
+    }
+    decoded = {}  # policy -> (entry, steps) of the runs that decoded once for every key
 
-    def run_policy(policy, gate):
+    def run_policy(policy, gate, ep_size):
         entry = {"batch_size": batch, "policy": policy}
+        if ep_size is not None:
+            entry["selection_ep_size"] = ep_size
+        selected = configs[ep_size or 1]
         if gate is not None:
             entry["speculates"] = {p: {} for p in cfg.profiles}
             for (p, r), on in gate.items():
                 entry["speculates"][p][str(r)] = on
-        entry["selection"] = selection_record(configs[policy])
+        entry["selection"] = selection_record(selected[policy])
         if gate is not None and not any(gate.values()):
             entry["ran"] = False
             progress.bar.update(len(groups))
-            progress.write(f"batch {batch:3d} {policy:<10} not run: gate closed", out)
+            progress.write(f"batch {batch:3d} {run_label(entry):<12} not run: gate closed", out)
             return entry, None
         if policy == "cascade":  # where open, cascade decodes exactly as confidence does
             confidence, spec_steps = decoded["confidence"]
@@ -231,18 +246,18 @@ def run_batch(cfg: SweepConfig, engine, batch: int, groups, prompts, perfs, prog
             progress.bar.update(len(groups))
             progress.write(run_line(entry), out)
             return entry, spec_steps
-        label = f"batch {batch} {policy}"
+        label = f"batch {batch} {run_label(entry)}"
         against = PAIRED_AGAINST.get(policy) if cfg.paired else None
         spec_steps, measured = speculative_run(
             cfg,
             engine,
-            SpecConfig(**configs[policy]),
+            SpecConfig(**selected[policy]),
             groups,
             prompts,
             greedy,
             progress,
             label,
-            compare=None if against is None else SpecConfig(**configs[against]),
+            compare=None if against is None else SpecConfig(**selected[against]),
         )
         entry.update(
             ran=True, **measured, busiest_rank_experts=busiest(spec_steps, testbed, cfg.ep_sizes)
@@ -255,7 +270,8 @@ def run_batch(cfg: SweepConfig, engine, batch: int, groups, prompts, perfs, prog
         progress.write(run_line(entry), out)
         for message in entry["mismatches"]:
             progress.write(f"warning: not lossless: {label}: {message}", sys.stderr)
-        decoded[policy] = entry, spec_steps
+        if ep_size is None:
+            decoded[policy] = entry, spec_steps
         return entry, spec_steps
 
     def price(entry, spec_steps, key):
@@ -304,7 +320,8 @@ def run_sweep(cfg: SweepConfig, engine, prompts: list, *, out=None) -> dict:
         for r in cfg.ep_sizes
     }
     rep = new_report(cfg, testbed)
-    progress = Progress(sum(len(groups) for groups in plan.values()) * (1 + len(cfg.policies)))
+    runs = runs_per_batch(cfg.policies, cfg.ep_sizes)
+    progress = Progress(sum(len(groups) for groups in plan.values()) * runs)
     try:
         for batch, groups in plan.items():
             used = prompts[: sum(map(len, groups))]
@@ -313,7 +330,7 @@ def run_sweep(cfg: SweepConfig, engine, prompts: list, *, out=None) -> dict:
             )
             rep["greedy"].append(greedy)
             for policy in cfg.policies:  # the report's order
-                rep["runs"].append(entries[policy])
+                rep["runs"] += entries[policy]
                 rep["rows"] += [
                     {"batch_size": batch, "policy": policy, "profile": p, "ep_size": r, **row}
                     for (p, r), row in rows[policy].items()
