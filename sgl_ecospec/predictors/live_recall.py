@@ -203,9 +203,7 @@ class LiveRecall:
         weight = torch.ones(batch, rows, device=device)
         if valid is not None:
             weight = valid.to(device, torch.float32)
-        multi = torch.zeros(batch, rows, routing.shape[2], self.num_experts, device=device)
-        multi.scatter_(3, routing.to(device).long(), 1.0)
-        multi *= weight[:, :, None, None]  # [B, R, L, E]
+        multi = _multi_hot(routing, weight, self.num_experts)  # [B, R, L, E]
         root_counts = multi[:, 0].sum(0)  # [L, E]: how many roots use each expert
         root_union = root_counts > 0
         candidates = weight[:, 1:].sum()
@@ -276,14 +274,19 @@ class LiveRecall:
         return (self.hits / rows).tolist() if rows else None
 
 
+def _multi_hot(ids: torch.Tensor, weight: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """float32 ``[B, R, L, E]``: each row's experts (``ids`` int ``[B, R, L, K]``) as 1,
+    times the row's ``weight`` (float ``[B, R]``, 0 for rows that do not count)."""
+    multi = torch.zeros(*ids.shape[:3], num_experts, device=weight.device)
+    multi.scatter_(3, ids.to(weight.device).long(), 1.0)
+    return multi * weight[:, :, None, None]
+
+
 def _new_experts(ids: torch.Tensor, weight: torch.Tensor, num_experts: int) -> torch.Tensor:
     """float32 ``[B, R - 1, L]``: each candidate's experts outside its step's roots' union
     (``ids`` int ``[B, R, L, K]``, root first; ``weight`` float ``[B, R]``, 0 for rows that do
     not count, whose experts join no union)."""
-    batch, rows, layers = ids.shape[:3]
-    multi = torch.zeros(batch, rows, layers, num_experts, device=weight.device)
-    multi.scatter_(3, ids.to(weight.device).long(), 1.0)
-    multi *= weight[:, :, None, None]
+    multi = _multi_hot(ids, weight, num_experts)
     missing = (multi[:, 0].sum(0) == 0).float()  # [L, E]: experts no root uses
     return torch.einsum("brle,le->brl", multi[:, 1:], missing)
 
