@@ -105,6 +105,9 @@ def test_selection_configs_follow_the_cost_model():
     assert at4["adaptive"]["eps"] == cost4_steps.eps
     assert at4["adaptive"]["step_cost"] == cost4_steps.step_cost != cost.step_cost
     assert at4["adaptive"]["layer_weights"] == adaptive["layer_weights"]
+    # ... and the placement, as the plugin under EP: DeltaCost counts the busiest rank's rise.
+    assert at4["adaptive"]["expert_rank"] == ep["expert_rank"]
+    assert at4["adaptive"]["num_ranks"] == 4 and "expert_rank" not in adaptive
     assert at4["evict"]["evict_seconds"] == peers.evict_step_seconds(perf4, 32, 4, 3)
     assert at4["evict"]["evict_seconds"] != configs["evict"]["evict_seconds"]
     for policy in ("confidence", "ecospec", "ecospec-ep", "cascade"):

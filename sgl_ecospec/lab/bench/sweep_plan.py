@@ -99,11 +99,14 @@ def selection_configs(
         batch: B.
         root_union: the greedy run's mean distinct experts per layer per step at B.
         testbed: ``{"num_layers", "num_experts", "top_k"}`` of the target.
-        ep_size: the EP size the :data:`EP_SELECTED` policies select for: adaptive's eps and
-            step cost from ``selection_cost(ep_size=)`` on that EP group's hardware (as the
-            plugin's eps table under EP), evict's step seconds on that hardware. The other
-            policies do not depend on it (``ecospec`` selects at EP 1, ``ecospec-ep`` at the
-            largest EP size).
+        ep_size: the EP size the :data:`EP_SELECTED` policies select for. adaptive selects
+            as the plugin does under EP (setting ``ep_cost``): eps and step cost from
+            ``selection_cost(ep_size=)`` on that EP group's hardware, which price an expert
+            at the busiest rank's pace, with the placement (contiguous ranks), so that a
+            candidate's DeltaCost counts the rise of the busiest rank in full and the other
+            ranks' at 1 / R; evict's step seconds are that hardware's. The other policies
+            do not depend on it (``ecospec`` selects at EP 1, ``ecospec-ep`` at the largest
+            EP size).
 
     Returns:
         policy -> dict of ``SpecConfig`` fields (see the module docstring); those of the
@@ -159,6 +162,9 @@ def selection_configs(
         # Where its gate is open cascade decodes as confidence does (sweep_run reuses that run).
         "cascade": {**base, **peers.spec_fields("cascade", perf, batch, budget, cfg.steps)},
     }
+    if ep_size > 1:
+        placement = ep_cost.contiguous_expert_rank(testbed["num_experts"], ep_size)
+        configs["adaptive"] |= {"expert_rank": tuple(placement.tolist()), "num_ranks": ep_size}
     ranks = max(cfg.ep_sizes)
     if ranks > 1:
         perf_ep = performance_model(cfg.profiles[0], ep_hardware(cfg.hardware, ranks))
