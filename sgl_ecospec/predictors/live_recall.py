@@ -30,7 +30,11 @@ class LiveRecall:
     0.01-0.30; selection trusting the recall traded 0.7% of acceptance for 0.2% of the
     experts (docs/RESULTS.md). Under uniform routing n_l would be K (1 - K / E)^B; real
     routing favours popular experts, which the roots hold already, and a candidate shares
-    experts with its parent, so it is measured, starting at K (1 - K / E).
+    experts with its parent, so it is measured. It starts at 0, so that the first steps
+    verify and measure: only verified candidates measure n_l, and a pessimistic start
+    (K (1 - K / E), the uniform cost of a lone candidate) priced every candidate above a
+    step's worth under EP 8 at batch 1, where "adaptive" then never verified one and never
+    learnt otherwise (docs/RESULTS.md).
     :meth:`unpredicted_cost` gives the second term summed over layers, a cost every
     candidate pays alike; :meth:`weigh` applies both to a step's selection. The trust
     starts at 0, so a cold predictor is trusted with nothing and selection sizes its sets
@@ -61,9 +65,7 @@ class LiveRecall:
             raise ValueError(f"rate must be in (0, 1], got {rate}")
         self.rate = float(rate)
         # n_l: the new experts a verified candidate adds to its step's verify pass [L]
-        self.novel = torch.full(
-            (num_layers,), top_k * (1.0 - top_k / num_experts), dtype=torch.float32, device=device
-        )
+        self.novel = torch.zeros(num_layers, dtype=torch.float32, device=device)
         self.novel_steps = torch.zeros((), dtype=torch.float32, device=device)
         self.hits = torch.zeros(num_layers, dtype=torch.float64, device=device)  # [L]
         # update_cost_fit's decayed sums of x^2 and x y per layer [2, L], and the trust w_l
@@ -168,7 +170,9 @@ class LiveRecall:
         per layer, the true experts the step's verified candidates add to the roots' union,
         divided by the number of candidates (their average marginal cost in the pass). A step
         without candidates measures its roots instead, leaving each out in turn, so the
-        measure never starves when selection verifies nothing. The first steps are averaged
+        measure never starves when selection verifies nothing; a lone root (batch 1) is not
+        measured, since against an empty union it would count all its experts, several
+        times a candidate's cost, and so keep selection from verifying. The first steps are averaged
         (the weight of step n is max(rate, 1 / n)), so the starting value is soon forgotten.
         No host sync.
 
@@ -226,7 +230,7 @@ class LiveRecall:
             candidate_novel / candidates.clamp_min(1.0),
             root_novel / roots.clamp_min(1.0),
         )
-        counted = (candidates + roots > 0).float()
+        counted = ((candidates > 0) | (roots > 1)).float()
         self.novel_steps += counted
         rate = torch.clamp(1.0 / self.novel_steps.clamp_min(1.0), min=self.rate)
         self.novel += (rate * counted) * (step_novel - self.novel)

@@ -75,6 +75,7 @@ def test_cold_trust_selects_as_confidence_and_full_trust_as_ecospec(seed):
     ).selected
     ecospec = select_step(predictor, tokens, scores, parents, 3, options).selected
     live = LiveRecall.of(predictor)
+    live.novel.fill_(K * (1 - K / E))  # as measured: every candidate pays it alike
 
     cold, weights = live.weigh(options, None, host_eps=True)
     assert cold.eps == pytest.approx(0.1 + L * K * (1 - K / E))

@@ -48,25 +48,28 @@ def test_trust_starts_at_zero_and_scales_with_the_layer_weights():
     live = LiveRecall(L, E, K, rate=0.5)
     assert live.recall() is None and live.per_layer() is None
     assert torch.equal(live.layer_weights(), torch.zeros(L))
+    # Nothing measured yet: no cost beyond eps, so the first steps verify and measure.
+    assert float(live.unpredicted_cost()) == 0.0
+    novel = K * (1 - K / E)
+    live.novel.fill_(novel)
     # A cold predictor is worth nothing: every expert a candidate brings is unpredicted.
-    assert float(live.unpredicted_cost()) == pytest.approx(L * K * (1 - K / E))
+    assert float(live.unpredicted_cost()) == pytest.approx(L * novel)
     live.trust.copy_(torch.tensor([0.2, 1.0, 0.0]))
     base = torch.tensor([2.0, 1.0, 0.5], dtype=torch.float64)
     assert live.layer_weights().tolist() == pytest.approx([0.2, 1.0, 0.0])
     assert live.layer_weights(base).tolist() == pytest.approx([0.4, 1.0, 0.0])
-    novel = K * (1 - K / E)
     assert float(live.unpredicted_cost()) == pytest.approx(novel * (0.8 + 0.0 + 1.0))
 
 
 def test_novel_experts_of_the_verified_candidates():
     """n_l, the experts the verified candidates add to their step's roots, per candidate:
-    K (1 - K / E) when cold; measured on the candidates (0 when they use the roots' experts,
-    K when each uses new ones of its own, shared when they use the same new ones); on the
-    roots, each left out in turn, in a step without candidates; averaged over the first
-    steps, so one step replaces the starting value."""
+    0 when cold; measured on the candidates (0 when they use the roots' experts, K when
+    each uses new ones of its own, shared when they use the same new ones); on the roots,
+    each left out in turn, in a step without candidates (not a lone root); averaged over
+    the first steps, so one step replaces the starting value."""
     live = LiveRecall(L, E, K, rate=0.05)
-    assert live.novel.tolist() == pytest.approx([K * (1 - K / E)] * L)
-    assert float(live.unpredicted_cost()) == pytest.approx(L * K * (1 - K / E))  # cold
+    assert live.novel.tolist() == [0.0] * L
+    live.novel.fill_(3.0)
 
     roots = torch.arange(K).expand(2, 1, L, K)  # both roots use experts 0..K-1
     echo = torch.arange(K).expand(2, 2, L, K)  # candidates that use the same experts
@@ -83,10 +86,14 @@ def test_novel_experts_of_the_verified_candidates():
     shared.update_novel(torch.cat([roots, new], 1))
     assert shared.novel.tolist() == pytest.approx([K / 4] * L)
 
-    # No candidate verified: the roots, each left out in turn.
+    # No candidate verified: the roots, each left out in turn. A lone root measures nothing
+    # (against an empty union it would count all K of its experts), even after many steps.
     lone = LiveRecall(L, E, K)
-    lone.update_novel(random_routing(0, 1)[:, None])
-    assert lone.novel.tolist() == [float(K)] * L  # a lone root brings all its experts
+    lone.update_novel(torch.cat([roots, new], 1)[:1], valid[:1])
+    for seed in range(20):
+        lone.update_novel(random_routing(seed, 1)[:, None])
+    assert lone.novel.tolist() == [float(K)] * L  # the one step with a candidate
+    assert float(lone.novel_steps) == 1
     twins = LiveRecall(L, E, K)
     twins.update_novel(roots)
     assert twins.novel.tolist() == [0.0] * L
