@@ -169,6 +169,7 @@ def test_recall_weighted_cost_falls_from_ecospec_to_confidence_with_the_trust():
         settings, predictor, topk=2, num_draft_tokens=2, max_batch=2, device="cpu"
     )
     live = selector.live_recall
+    live.novel.fill_(1.5)  # as measured: what a verified candidate really brings
     for trust, want in [(1.0, 11), (0.47, 11), (0.07, 10), (0.0, 10)]:
         live.trust.fill_(trust)
         selector.set_roots(torch.tensor([1]))
