@@ -172,8 +172,9 @@ class LiveRecall:
         without candidates measures its roots instead, leaving each out in turn, so the
         measure never starves when selection verifies nothing; a lone root (batch 1) is not
         measured, since against an empty union it would count all its experts, several
-        times a candidate's cost, and so keep selection from verifying. The first steps are averaged
-        (the weight of step n is max(rate, 1 / n)), so the starting value is soon forgotten.
+        times a candidate's cost, and so keep selection from verifying. The first steps are
+        averaged (the weight of step n is max(rate, 1 / n)), so the starting value is soon
+        forgotten.
         No host sync.
 
         With ``budget`` the candidates' cost is amortised over a whole verify set. The

@@ -42,8 +42,9 @@ def selection_groups(policy: str, keys) -> list[tuple[int | None, list]]:
 
 def runs_per_batch(policies, ep_sizes) -> int:
     """Decoding runs per batch of prompts at one batch size: the greedy one, one per policy,
-    one per EP size for the :data:`EP_SELECTED` ones."""
-    return 1 + sum(len(set(ep_sizes)) if p in EP_SELECTED else 1 for p in policies)
+    one per EP size for the :data:`EP_SELECTED` ones (:func:`selection_groups`)."""
+    keys = [(None, r) for r in set(ep_sizes)]
+    return 1 + sum(len(selection_groups(p, keys)) for p in policies)
 
 
 def prompts_per_batch_size(batch: int, num_prompts: int) -> int:
