@@ -47,6 +47,13 @@ from sgl_ecospec.ops.checks import (
 from sgl_ecospec.ops.selection_reference import DEFAULT_EPS, select_verify_set_reference
 
 POLICIES = ("confidence", "ecospec", "adaptive")
+# The total_weight "adaptive" selects with under EP unless told otherwise (the SGLang plugin's
+# default, and the sweep's): its stopping rule weighs a candidate against the step's time,
+# and an EP step waits for its busiest rank only, so experts added on the other ranks cost
+# it nothing. The op's own default (1 / R) hedges for a wrongly predicted busiest rank, but
+# with "adaptive" it is predicted to verify too little at batch 1-4 (docs/RESULTS.md, sweep
+# run 7).
+ADAPTIVE_EP_TOTAL_WEIGHT = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

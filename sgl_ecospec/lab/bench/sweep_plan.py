@@ -5,15 +5,18 @@ import math
 
 from sgl_ecospec.costmodel.scaling import effective_tokens
 from sgl_ecospec.lab.bench import ep_cost, peers
+from sgl_ecospec.lab.bench.expert_exchange import ExpertExchange
 from sgl_ecospec.lab.bench.runs import performance_model
 from sgl_ecospec.lab.config import SWEEP_POLICIES as POLICIES
 from sgl_ecospec.lab.config import SweepConfig
+from sgl_ecospec.ops.selection import ADAPTIVE_EP_TOTAL_WEIGHT
 
 __all__ = [
     "EP_SELECTED",
     "PAIRED_AGAINST",
     "POLICIES",
     "ep_hardware",
+    "expert_exchange",
     "prompts_per_batch_size",
     "runs_per_batch",
     "selection_configs",
@@ -118,13 +121,7 @@ def selection_configs(
     perf = performance_model(cfg.profiles[0], cfg.hardware)
     perf_selected = performance_model(cfg.profiles[0], ep_hardware(cfg.hardware, ep_size))
     budget, layers = cfg.budget, testbed["num_layers"]
-    weight = testbed_expert_weight(
-        root_union,
-        batch,
-        num_experts=testbed["num_experts"],
-        top_k=testbed["top_k"],
-        profile=perf.model,
-    )
+    weight = _selection_weight(cfg, batch, root_union, testbed)
     weights = (perf.model.moe_layers / layers * weight,) * layers
     base = {
         "topk": cfg.topk,
@@ -165,7 +162,11 @@ def selection_configs(
     }
     if ep_size > 1:
         placement = ep_cost.contiguous_expert_rank(testbed["num_experts"], ep_size)
-        configs["adaptive"] |= {"expert_rank": tuple(placement.tolist()), "num_ranks": ep_size}
+        configs["adaptive"] |= {
+            "expert_rank": tuple(placement.tolist()),
+            "num_ranks": ep_size,
+            "total_weight": ADAPTIVE_EP_TOTAL_WEIGHT,
+        }
     ranks = max(cfg.ep_sizes)
     if ranks > 1:
         perf_ep = performance_model(cfg.profiles[0], ep_hardware(cfg.hardware, ranks))
@@ -180,9 +181,45 @@ def selection_configs(
     return configs
 
 
+def _selection_weight(cfg: SweepConfig, batch: int, root_union: float, testbed: dict) -> float:
+    """``testbed_expert_weight`` for the profile selection prices with (the first)."""
+    return testbed_expert_weight(
+        root_union,
+        batch,
+        num_experts=testbed["num_experts"],
+        top_k=testbed["top_k"],
+        profile=performance_model(cfg.profiles[0], cfg.hardware).model,
+    )
+
+
+def expert_exchange(
+    cfg: SweepConfig,
+    batch: int,
+    root_union: float,
+    testbed: dict,
+    *,
+    ep_size: int = 1,
+    total_weight: float | None = None,
+) -> ExpertExchange:
+    """adaptive's exchange rate at batch size ``batch`` when it selects for EP ``ep_size``
+    (with ``total_weight``, as its ``SpecConfig``): measured on the run's own verify steps,
+    into the profile selection prices with, from the prior weight of
+    :func:`selection_configs`; the prior counts for one step that adds a whole testbed
+    layer's experts in every layer."""
+    return ExpertExchange(
+        num_experts=testbed["num_experts"],
+        top_k=testbed["top_k"],
+        profile=performance_model(cfg.profiles[0], cfg.hardware).model,
+        prior=_selection_weight(cfg, batch, root_union, testbed),
+        prior_experts=testbed["num_layers"] * testbed["num_experts"],
+        ep_size=ep_size,
+        total_weight=total_weight,
+    )
+
+
 def selection_record(kwargs: dict) -> dict:
     """The cost-model constants a run selected with (JSON-ready)."""
-    names = ("eps", "step_tokens", "step_cost", "num_ranks", "evict_seconds")
+    names = ("eps", "step_tokens", "step_cost", "num_ranks", "total_weight", "evict_seconds")
     record = {k: kwargs[k] for k in names if k in kwargs}
     if "layer_weights" in kwargs:
         record["layer_weight"] = kwargs["layer_weights"][0]

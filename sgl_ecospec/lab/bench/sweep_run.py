@@ -21,6 +21,7 @@ from sgl_ecospec.lab.bench.runs import (
 from sgl_ecospec.lab.bench.sweep_plan import (
     PAIRED_AGAINST,
     ep_hardware,
+    expert_exchange,
     prompts_per_batch_size,
     runs_per_batch,
     selection_configs,
@@ -81,9 +82,12 @@ def paired_summary(steps, testbed: dict, ep_sizes) -> dict:
     return summary
 
 
-def speculative_run(cfg, engine, spec, groups, prompts, greedy, progress, label, compare=None):
+def speculative_run(
+    cfg, engine, spec, groups, prompts, greedy, progress, label, compare=None, exchange=None
+):
     """One policy at one batch size over every batch: (steps, testbed metrics); with
-    ``compare`` (a ``SpecConfig``) the steps also score its selection."""
+    ``compare`` (a ``SpecConfig``) the steps also score its selection; with ``exchange``
+    (an ``ExpertExchange``) the layer weights follow its measured rate."""
     import torch
 
     torch.manual_seed(cfg.seed)
@@ -95,7 +99,13 @@ def speculative_run(cfg, engine, spec, groups, prompts, greedy, progress, label,
     progress.bar.set_description(label)
     for group in groups:
         result = engine.generate_speculative(
-            group, limit, spec, predictor=predictor, progress=progress.on_step, compare=compare
+            group,
+            limit,
+            spec,
+            predictor=predictor,
+            progress=progress.on_step,
+            compare=compare,
+            exchange=exchange,
         )
         for ids, got in zip(group, result.outputs, strict=True):
             check.compare(prompts[index], ids, greedy[index], list(got[:limit]))
@@ -248,6 +258,16 @@ def run_batch(cfg: SweepConfig, engine, batch: int, groups, prompts, perfs, prog
             return entry, spec_steps
         label = f"batch {batch} {run_label(entry)}"
         against = PAIRED_AGAINST.get(policy) if cfg.paired else None
+        exchange = None
+        if policy == "adaptive":  # prices candidates at the rate the sweep charges them
+            exchange = expert_exchange(
+                cfg,
+                batch,
+                root_union,
+                testbed,
+                ep_size=ep_size or 1,
+                total_weight=selected[policy].get("total_weight"),
+            )
         spec_steps, measured = speculative_run(
             cfg,
             engine,
@@ -258,7 +278,10 @@ def run_batch(cfg: SweepConfig, engine, batch: int, groups, prompts, perfs, prog
             progress,
             label,
             compare=None if against is None else SpecConfig(**selected[against]),
+            exchange=exchange,
         )
+        if exchange is not None:
+            entry["expert_exchange"] = {"prior": exchange.prior, "rate": exchange.rate()}
         entry.update(
             ran=True, **measured, busiest_rank_experts=busiest(spec_steps, testbed, cfg.ep_sizes)
         )

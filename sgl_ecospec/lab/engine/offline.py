@@ -175,6 +175,7 @@ class OfflineEngine:
         progress: Callable[[StepStats], None] | None = None,
         compare: SpecConfig | None = None,
         calibrator: AcceptanceCalibrator | None = None,
+        exchange=None,
     ) -> SpecResult:
         """Tree speculative decoding; greedy, so outputs equal :meth:`generate_greedy`'s.
 
@@ -195,6 +196,10 @@ class OfflineEngine:
             calibrator: the acceptance calibrator (used and updated in place, so it can
                 carry over between calls), or None for a fresh one; it learns whether or
                 not ``spec.calibrated_acceptance`` lets selection read it.
+            exchange: the testbed's measured exchange rate into the priced profile's
+                experts (``bench.expert_exchange.ExpertExchange``: ``scale()`` and
+                ``update(routing, valid)``; used and updated in place), or None: with it
+                every step scales ``spec.layer_weights`` (required then) by its scale.
 
         Returns:
             outputs, one :class:`StepStats` per verify step, and the predictor's recall
@@ -203,6 +208,8 @@ class OfflineEngine:
         if self.draft is None:
             raise ValueError("speculative decoding needs a draft: pass draft_dir to the engine")
         selection = self._selection_arguments(spec)
+        if exchange is not None and spec.layer_weights is None:
+            raise ValueError("exchange scales spec.layer_weights: set them (the prior weights)")
         paired = None if compare is None else self._paired_arguments(spec, compare)
         predictor = self._resolve_predictor(predictor)
         calibrator = resolve_calibrator(calibrator, spec.num_steps, self.device)
@@ -228,7 +235,16 @@ class OfflineEngine:
                 drafter.select(rows)
                 roots, root_context = roots[rows], root_context[rows]
             step, next_roots, new_tokens = self._speculative_step(
-                spec, selection, predictor, drafter, cache, roots, paired, calibrator, root_context
+                spec,
+                selection,
+                predictor,
+                drafter,
+                cache,
+                roots,
+                paired,
+                calibrator,
+                root_context,
+                exchange,
             )
             root_context, roots = next_root_context(roots, new_tokens), next_roots
             step.request_ids = list(requests.active)
@@ -249,6 +265,7 @@ class OfflineEngine:
         paired: tuple[SpecConfig, tuple] | None,
         calibrator: AcceptanceCalibrator,
         root_context: torch.Tensor | None = None,
+        exchange=None,
     ) -> tuple[StepStats, torch.Tensor, list[list[int]]]:
         """Draft, select, verify, accept, record, learn and draft-extend once.
 
@@ -260,6 +277,7 @@ class OfflineEngine:
             calibrator: the acceptance calibrator; learns from this step's verify result.
             root_context: int64 ``[B]``: the token before each root (for predictors that
                 read context), or None (unknown).
+            exchange: the measured exchange rate, or None (``generate_speculative``).
 
         Returns:
             the step's stats, the next roots ``[B]`` and each request's new tokens (accepted
@@ -280,6 +298,8 @@ class OfflineEngine:
         options, extra = selection
         if spec.recall_weighted_cost:
             extra = {**extra, "live_recall": LiveRecall.of(predictor, self.device)}
+        if exchange is not None:
+            extra = {**extra, "layer_weights": extra["layer_weights"] * exchange.scale()}
         calibrated = calibrator.calibrate(tree.scores, tree.parents, validate=False)  # [B, N]
         chosen = select_step(
             predictor,
@@ -323,6 +343,8 @@ class OfflineEngine:
             placement=placement,
             total_weight=None if placement is None else selection[0].total_weight,
         )
+        if exchange is not None:
+            exchange.update(out.routing, verify.valid)
         row_hidden = None if hidden is None else hidden[batch, rows][verify.valid]  # [verified, H]
         context = verified_context(chosen, verify.valid)  # the rows' parent tokens, if read
         predictor.observe(
