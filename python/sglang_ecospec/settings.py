@@ -24,7 +24,7 @@ from typing import Any
 from sgl_ecospec.costmodel.calibration import CalibrationFileError, CalibrationProfile
 from sgl_ecospec.costmodel.profiles import HARDWARE, MODELS, get_hardware, get_model
 from sgl_ecospec.gate import GateOptions
-from sgl_ecospec.ops.selection import DEFAULT_EPS, SelectionOptions
+from sgl_ecospec.ops.selection import ADAPTIVE_EP_TOTAL_WEIGHT, DEFAULT_EPS, SelectionOptions
 from sgl_ecospec.predictors.catalog import ONLINE_PREDICTORS
 
 ENV_PREFIX = "SGLANG_ECOSPEC_"
@@ -91,7 +91,9 @@ class EcoSpecSettings:
             rise of the busiest EP rank's expert loads (``select_verify_set(expert_rank=)``);
             False: count experts as without EP.
         total_weight: in [0, 1], weight of the experts off the busiest rank in the EP cost,
-            or None for 1 / ep_size. Read only under EP with ep_cost.
+            or None for the policy's default: ``ADAPTIVE_EP_TOTAL_WEIGHT`` (0) with
+            "adaptive", whose stopping rule weighs the step's time, which the busiest rank
+            alone sets; 1 / ep_size with the others. Read only under EP with ep_cost.
         predictor: "online" (:class:`sgl_ecospec.predictors.OnlineExpertPredictor`: routing
             counts per token in hashed rows, learnt while serving), "vocab" or "context"
             (:class:`sgl_ecospec.predictors.ContextExpertPredictor` from the library's
@@ -238,8 +240,11 @@ class EcoSpecSettings:
         # "adaptive" reads the step cost, a placeholder here like eps: the selector sets the
         # cost model's per batch size.
         step_cost = 1.0 if self.policy == "adaptive" else None
+        total_weight = self.total_weight
+        if total_weight is None and self.policy == "adaptive":
+            total_weight = ADAPTIVE_EP_TOTAL_WEIGHT
         return SelectionOptions(
-            self.policy, eps, self.share_buffer, self.total_weight, step_cost=step_cost
+            self.policy, eps, self.share_buffer, total_weight, step_cost=step_cost
         )
 
     @property

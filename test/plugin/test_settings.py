@@ -1,9 +1,12 @@
 """EcoSpec's settings: defaults, environment and file overrides, errors that name the problem."""
 
+import dataclasses
 import json
 
 import pytest
 from sglang_ecospec.settings import EcoSpecSettings, EcoSpecSettingsError
+
+from sgl_ecospec.ops.selection import ADAPTIVE_EP_TOTAL_WEIGHT
 
 
 def test_settings_defaults_and_env_overrides(tmp_path):
@@ -115,6 +118,12 @@ def test_settings_eps_auto_and_ep_fields(tmp_path):
         }
     )
     assert adaptive.selection_options().policy == "adaptive"  # step cost set per batch
+    # Under EP "adaptive" charges only the busiest rank's rise unless told otherwise; the
+    # other policies keep the op's 1 / R; a set total_weight wins for every policy.
+    assert adaptive.selection_options().total_weight == ADAPTIVE_EP_TOTAL_WEIGHT == 0.0
+    assert EcoSpecSettings().selection_options().total_weight is None
+    set_weight = dataclasses.replace(adaptive, total_weight=0.5)
+    assert set_weight.selection_options().total_weight == 0.5
     assert settings.ep_cost is False and settings.total_weight == 0.25
     assert not EcoSpecSettings().eps_auto and EcoSpecSettings().ep_cost
     config = tmp_path / "ecospec.json"

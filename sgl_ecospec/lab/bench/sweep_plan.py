@@ -106,9 +106,9 @@ def selection_configs(
         ep_size: the EP size the :data:`EP_SELECTED` policies select for. adaptive selects
             as the plugin does under EP (setting ``ep_cost``): eps and step cost from
             ``selection_cost(ep_size=)`` on that EP group's hardware, which price an expert
-            at the busiest rank's pace, with the placement (contiguous ranks), so that a
-            candidate's DeltaCost counts the rise of the busiest rank in full and the other
-            ranks' at 1 / R; evict's step seconds are that hardware's. The other policies
+            at the busiest rank's pace, with the placement (contiguous ranks) and
+            ``ADAPTIVE_EP_TOTAL_WEIGHT``, so that a candidate's DeltaCost counts the rise of
+            the busiest rank only; evict's step seconds are that hardware's. The other policies
             do not depend on it (``ecospec`` selects at EP 1, ``ecospec-ep`` at the largest
             EP size).
 
