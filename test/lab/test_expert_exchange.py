@@ -13,6 +13,7 @@ from sgl_ecospec.costmodel.scaling import scale_unique_experts
 from sgl_ecospec.lab.bench import sweep_plan
 from sgl_ecospec.lab.bench.expert_exchange import ExpertExchange
 from sgl_ecospec.lab.engine import SpecConfig
+from sgl_ecospec.ops.selection import SelectionOptions
 from sgl_ecospec.predictors import OnlineExpertPredictor
 
 DEEPSEEK = get_model("deepseek-v3")
@@ -58,7 +59,7 @@ def test_each_candidate_is_priced_as_if_verified_last():
     exchange.update(*_step(list(range(8)), list(range(8, 16)), list(range(16, 24))))
     # Either candidate, removed with its token: the union falls from 24 to 16.
     last = _priced(24.0, 3) - _priced(16.0, 2)
-    assert exchange.testbed_rise == 16
+    assert exchange.experts.sum() == 16
     assert exchange.rate() == pytest.approx((2.0 * 10 + 2 * last) / (10 + 16))
     assert exchange.scale() == pytest.approx(exchange.rate() / 2.0)
 
@@ -71,7 +72,7 @@ def test_a_step_without_candidates_or_new_experts_adds_no_rise():
     assert exchange.rate() == 2.0
     shared = _exchange()
     shared.update(*_step(list(range(8)), list(range(8))))  # the candidate reads the root's
-    assert shared.testbed_rise == 0 and shared.priced_rise == pytest.approx(0.0)
+    assert shared.experts.sum() == 0 and shared.charged.sum() == pytest.approx(0.0)
     same = _exchange(profile=dataclasses.replace(DEEPSEEK, num_experts=64, top_k=8))
     same.update(*_batch_step(40, range(40, 46)))
     # A profile of the testbed's shape: every testbed expert is one of its own.
@@ -95,7 +96,7 @@ def test_invalid_rows_and_bad_priors():
     exchange = _exchange()
     routing, _ = _step([0, 1], [2, 3])
     exchange.update(routing, torch.tensor([[False, False]]))
-    assert exchange.testbed_rise == 0
+    assert exchange.experts.sum() == 0
     with pytest.raises(ValueError, match="must be > 0"):
         _exchange(prior=0.0)
     with pytest.raises(ValueError, match="must be > 0"):
@@ -132,7 +133,7 @@ def test_the_engine_scales_its_layer_weights_by_the_measured_rate(engine):
         PROMPTS, MAX_NEW, spec, OnlineExpertPredictor(LAYERS, EXPERTS, TOP_K), exchange=exchange
     )
     assert fixed.outputs == measured.outputs == greedy.outputs
-    assert exchange.testbed_rise > 0 and exchange.rate() > 2.0
+    assert exchange.experts.sum() > 0 and exchange.rate() > 2.0
 
     def verified(result):
         return sum(s.verified_tokens for s in result.steps) / sum(
@@ -147,7 +148,7 @@ def test_the_engine_scales_its_layer_weights_by_the_measured_rate(engine):
 
 
 @pytest.mark.parametrize("total_weight", [0.0, None])
-def test_under_ep_the_rise_is_counted_as_selection_counts_it(total_weight):
+def test_under_ep_the_experts_off_the_busiest_rank_get_their_own_price(total_weight):
     """EP 8 (8 experts per rank): the root reads experts 0-7 (all on rank 0), the candidate
     8-15 (all on rank 1): the busiest rank does not rise, the union does by 8."""
     exchange = ExpertExchange(
@@ -159,13 +160,50 @@ def test_under_ep_the_rise_is_counted_as_selection_counts_it(total_weight):
         ep_size=8,
         total_weight=total_weight,
     )
+    configured = 1 / 8 if total_weight is None else total_weight
+    assert exchange.prices() == pytest.approx((2.0, 2.0 * configured))
     exchange.update(*_step(list(range(8)), list(range(8, 16))))
-    weight = 1 / 8 if total_weight is None else total_weight
-    assert exchange.testbed_rise == pytest.approx(weight * 8)
-
+    assert exchange.experts.tolist() == [0.0, 8.0]
     # The pricing keeps the busiest rank's share of the union (ep_cost.scale_busiest_rank).
-    assert exchange.priced_rise == pytest.approx(_priced(16.0, 2) * 8 / 16 - _priced(8.0, 1))
+    load = _priced(16.0, 2) * 8 / 16
+    assert exchange.charged[0] == pytest.approx(load - _priced(8.0, 1) - (load - _priced(8.0, 2)))
+    assert exchange.charged[1] == pytest.approx(load - _priced(8.0, 2))
+    others = (2.0 * configured * 10 + exchange.charged[1]) / (10 + 8)
+    assert exchange.prices() == pytest.approx((2.0 + exchange.charged[0] / 10, others))
+    # Selection gets total_weight = the others' price over the busiest rank's, in [0, 1].
+    options, extra = exchange.adjust(
+        SelectionOptions("adaptive", 0.1, True, total_weight, step_cost=1.0),
+        {"layer_weights": torch.ones(3)},
+    )
+    busiest = exchange.prices()[0]
+    assert options.total_weight == pytest.approx(min(max(others / busiest, 0.0), 1.0))
+    assert extra["layer_weights"].tolist() == pytest.approx([busiest / 2.0] * 3)
     with pytest.raises(ValueError, match="divide 64"):
         ExpertExchange(
             num_experts=64, top_k=8, profile=DEEPSEEK, prior=1.0, prior_experts=1.0, ep_size=6
         )
+
+
+def test_saturated_ranks_make_the_other_experts_cost():
+    """Roots fill rank 0 (experts 0-7) and half of every other rank; each candidate adds one
+    expert on another rank. The busiest rank does not rise, but the pricing keeps its share
+    of a profile union that grows faster than the testbed's near saturation, so the other
+    experts cost; with few experts loaded they cost next to nothing."""
+    exchange = ExpertExchange(
+        num_experts=64, top_k=8, profile=DEEPSEEK, prior=1.0, prior_experts=1e-9, ep_size=8
+    )
+    full = list(range(8)) + [r * 8 + j for r in range(1, 8) for j in range(4)]  # 36 experts
+    roots = [full[i : i + 8] for i in range(0, 32, 8)] + [full[32:] + full[:4]] * 3
+    candidates = [[r * 8 + 5, *range(7)] for r in range(1, 8)]
+    routing = torch.tensor([[[root], [c]] for root, c in zip(roots, candidates, strict=True)])
+    exchange.update(routing, torch.ones(7, 2, dtype=torch.bool))
+    assert exchange.experts[0] == 0 and exchange.experts[1] == 7
+    roomy = ExpertExchange(
+        num_experts=64, top_k=8, profile=DEEPSEEK, prior=1.0, prior_experts=1e-9, ep_size=8
+    )
+    root = [[0, 1, 2, 8, 16, 24, 32, 40]] * 7  # rank 0 holds 3, the others 1 each
+    candidates = [[r * 8 + 1, *root[0][:7]] for r in range(1, 8)]
+    routing = torch.tensor([[[a], [c]] for a, c in zip(root, candidates, strict=True)])
+    roomy.update(routing, torch.ones(7, 2, dtype=torch.bool))
+    assert roomy.experts[0] == 0 and roomy.experts[1] == 7
+    assert 0 <= roomy.prices()[1] < exchange.prices()[1] / 3

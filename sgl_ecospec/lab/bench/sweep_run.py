@@ -281,7 +281,8 @@ def run_batch(cfg: SweepConfig, engine, batch: int, groups, prompts, perfs, prog
             exchange=exchange,
         )
         if exchange is not None:
-            entry["expert_exchange"] = {"prior": exchange.prior, "rate": exchange.rate()}
+            rate, others = exchange.prices()
+            entry["expert_exchange"] = {"prior": exchange.prior, "rate": rate, "others": others}
         entry.update(
             ran=True, **measured, busiest_rank_experts=busiest(spec_steps, testbed, cfg.ep_sizes)
         )

@@ -58,7 +58,15 @@ from sgl_ecospec.lab.engine.predictor_inputs import (
     verified_context,
 )
 from sgl_ecospec.lab.engine.requests import Requests
-from sgl_ecospec.lab.engine.stats import GreedyResult, SpecResult, StepStats, union_bitmap
+from sgl_ecospec.lab.engine.stats import (
+    GreedyResult,
+    SpecResult,
+    StepStats,
+    overall_recall,
+    selected_score,
+    selection_union,
+    step_stats,
+)
 from sgl_ecospec.lab.engine.target import TargetModel
 from sgl_ecospec.lab.engine.tree import (
     DraftTree,
@@ -67,7 +75,6 @@ from sgl_ecospec.lab.engine.tree import (
     build_verify_tree,
     greedy_accept,
 )
-from sgl_ecospec.ops.bitmaps import bitmap_popcount
 from sgl_ecospec.predictors import ExpertPredictor, LiveRecall, OnlineExpertPredictor, topk_recall
 from sgl_ecospec.step import (
     Placement,
@@ -160,7 +167,7 @@ class OfflineEngine:
             roots = out.logits[:, 0].argmax(-1)
             routing = out.routing.flatten(0, 1)  # [B, L, K]
             steps.append(
-                _step_stats(routing, self.num_experts, accepted=[0] * batch, request_ids=ids)
+                step_stats(routing, self.num_experts, accepted=[0] * batch, request_ids=ids)
             )
             rows = requests.emit(roots[:, None].tolist())
         return GreedyResult(requests.outputs, steps)
@@ -196,10 +203,11 @@ class OfflineEngine:
             calibrator: the acceptance calibrator (used and updated in place, so it can
                 carry over between calls), or None for a fresh one; it learns whether or
                 not ``spec.calibrated_acceptance`` lets selection read it.
-            exchange: the testbed's measured exchange rate into the priced profile's
-                experts (``bench.expert_exchange.ExpertExchange``: ``scale()`` and
+            exchange: the testbed experts' measured prices in the priced profile's loads
+                (``bench.expert_exchange.ExpertExchange``: ``adjust(options, extra)`` and
                 ``update(routing, valid)``; used and updated in place), or None: with it
-                every step scales ``spec.layer_weights`` (required then) by its scale.
+                every step selects with ``spec.layer_weights`` (required then) and, under
+                EP, ``total_weight`` at those prices.
 
         Returns:
             outputs, one :class:`StepStats` per verify step, and the predictor's recall
@@ -252,7 +260,7 @@ class OfflineEngine:
             if progress is not None:
                 progress(step)
             rows = requests.emit(new_tokens)
-        return SpecResult(requests.outputs, steps, _overall_recall(steps))
+        return SpecResult(requests.outputs, steps, overall_recall(steps))
 
     def _speculative_step(
         self,
@@ -299,7 +307,7 @@ class OfflineEngine:
         if spec.recall_weighted_cost:
             extra = {**extra, "live_recall": LiveRecall.of(predictor, self.device)}
         if exchange is not None:
-            extra = {**extra, "layer_weights": extra["layer_weights"] * exchange.scale()}
+            options, extra = exchange.adjust(options, extra)
         calibrated = calibrator.calibrate(tree.scores, tree.parents, validate=False)  # [B, N]
         chosen = select_step(
             predictor,
@@ -356,7 +364,7 @@ class OfflineEngine:
 
         cache.commit(path)
         drafter.extend(emitted, out.aux[batch, path.clamp_min(0)], counts)
-        step = _step_stats(
+        step = step_stats(
             routing, self.num_experts, accepted=(counts - 1).tolist(), recall=recall, **predicted
         )
         if paired is not None:
@@ -367,9 +375,9 @@ class OfflineEngine:
                 other = cut.selected
             sets = (selected, other)
             step.paired_bitmaps = torch.stack(
-                [_selection_union(truth, s, self.num_experts) for s in sets]
+                [selection_union(truth, s, self.num_experts) for s in sets]
             ).cpu()
-            step.paired_scores = [_selected_score(tree.scores, s) for s in sets]
+            step.paired_scores = [selected_score(tree.scores, s) for s in sets]
             step.paired_accepted = [
                 int(accepted_within(whole, whole_predictions, s).sum()) for s in sets
             ]
@@ -475,40 +483,6 @@ class OfflineEngine:
                 f"are {draft_size}: train it on this draft (sgl-ecospec train-head)"
             )
         return predictor
-
-
-def _step_stats(routing: torch.Tensor, num_experts: int, **fields) -> StepStats:
-    """A step's record from the routing ``[T, L, K]`` of its verified tokens: the union
-    bitmap per layer (kept on the CPU) and its counts; ``fields`` fill the rest."""
-    bitmap = union_bitmap(routing, num_experts)
-    return StepStats(
-        batch_size=len(fields["accepted"]),
-        verified_tokens=routing.shape[0],
-        unique_experts=bitmap_popcount(bitmap).tolist(),
-        expert_bitmap=bitmap.cpu(),
-        **fields,
-    )
-
-
-def _selection_union(truth: torch.Tensor, selected: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """int64 ``[L, W]``: the union over the batch of the true routing ``truth [B, 1 + N, L, K]``
-    of every root and every candidate in ``selected [B, S]`` (-1 padding skipped)."""
-    rows = verify_rows(selected)  # padding lands on the root, in the union anyway
-    return union_bitmap(truth[batch_index(rows), rows].flatten(0, 1), num_experts)
-
-
-def _selected_score(scores: torch.Tensor, selected: torch.Tensor) -> float:
-    """Sum over the batch of the cumulative draft probabilities ``scores [B, N]`` of the
-    candidates in ``selected [B, S]`` (-1 padding skipped): the draft's own estimate of
-    the accepted tokens the set can yield."""
-    taken = scores.gather(1, selected.clamp_min(0)).double()
-    return float(taken.masked_fill(selected < 0, 0).sum())
-
-
-def _overall_recall(steps: list[StepStats]) -> float | None:
-    """Recall over all verified tokens: the step recalls weighted by verified tokens."""
-    tokens = sum(step.verified_tokens for step in steps)
-    return sum(step.recall * step.verified_tokens for step in steps) / tokens if steps else None
 
 
 def _eos_token_ids(model) -> set[int]:

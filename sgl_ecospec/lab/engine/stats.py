@@ -9,6 +9,7 @@ import dataclasses
 import torch
 
 from sgl_ecospec.ops.bitmaps import WORD_BITS, bitmap_popcount, topk_to_bitmap
+from sgl_ecospec.step import batch_index, verify_rows
 
 
 @dataclasses.dataclass
@@ -151,3 +152,37 @@ def rank_loads(bitmap: torch.Tensor, expert_rank: torch.Tensor, num_ranks: int) 
     rank = rank.expand(bits.shape[-2:]).expand(bits.shape)
     loads = torch.zeros((*bits.shape[:-1], num_ranks), dtype=torch.int64, device=bitmap.device)
     return loads.scatter_add_(-1, rank, bits)
+
+
+def step_stats(routing: torch.Tensor, num_experts: int, **fields) -> StepStats:
+    """A step's record from the routing ``[T, L, K]`` of its verified tokens: the union
+    bitmap per layer (kept on the CPU) and its counts; ``fields`` fill the rest."""
+    bitmap = union_bitmap(routing, num_experts)
+    return StepStats(
+        batch_size=len(fields["accepted"]),
+        verified_tokens=routing.shape[0],
+        unique_experts=bitmap_popcount(bitmap).tolist(),
+        expert_bitmap=bitmap.cpu(),
+        **fields,
+    )
+
+
+def selection_union(truth: torch.Tensor, selected: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 ``[L, W]``: the union over the batch of the true routing ``truth [B, 1 + N, L, K]``
+    of every root and every candidate in ``selected [B, S]`` (-1 padding skipped)."""
+    rows = verify_rows(selected)  # padding lands on the root, in the union anyway
+    return union_bitmap(truth[batch_index(rows), rows].flatten(0, 1), num_experts)
+
+
+def selected_score(scores: torch.Tensor, selected: torch.Tensor) -> float:
+    """Sum over the batch of the cumulative draft probabilities ``scores [B, N]`` of the
+    candidates in ``selected [B, S]`` (-1 padding skipped): the draft's own estimate of
+    the accepted tokens the set can yield."""
+    taken = scores.gather(1, selected.clamp_min(0)).double()
+    return float(taken.masked_fill(selected < 0, 0).sum())
+
+
+def overall_recall(steps: list[StepStats]) -> float | None:
+    """Recall over all verified tokens: the step recalls weighted by verified tokens."""
+    tokens = sum(step.verified_tokens for step in steps)
+    return sum(step.recall * step.verified_tokens for step in steps) / tokens if steps else None
