@@ -51,8 +51,8 @@ POLICIES = ("confidence", "ecospec", "adaptive")
 # default, and the sweep's): its stopping rule weighs a candidate against the step's time,
 # and an EP step waits for its busiest rank only, so experts added on the other ranks cost
 # it nothing. The op's own default (1 / R) hedges for a wrongly predicted busiest rank, but
-# with "adaptive" it is predicted to verify too little at batch 1-4 (docs/RESULTS.md, sweep
-# run 7).
+# with "adaptive" the sweep predicts it too cautious at batch 1-2 (docs/RESULTS.md, sweep
+# runs 6 and 7).
 ADAPTIVE_EP_TOTAL_WEIGHT = 0.0
 
 

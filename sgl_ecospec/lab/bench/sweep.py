@@ -15,9 +15,9 @@ greedily (no speculation, the baseline every speedup is over) and once per polic
   utility, as the server's gate measures ECOSPEC's own: where the adaptive run at B is
   predicted no faster than no speculation for a profile and EP size, ``adaptive`` is the
   greedy run there (speedup 1; ``rule_speedup`` keeps the run's own figure). Its layer
-  weights follow the exchange rate of testbed experts into the profile's that the pricing
-  charges its own verified candidates (``bench.expert_exchange``), with
-  ``testbed_expert_weight`` as the prior.
+  weights (and under EP its ``total_weight``) follow the prices of testbed experts in the
+  profile's loads that the pricing charges its own verified candidates
+  (``bench.expert_exchange``), with ``testbed_expert_weight`` as the prior.
   ``select_verify_set(policy="adaptive")`` takes ``ecospec``'s nodes only while they raise
   the step's tokens per cost, with eps and the step's starting account from
   ``selection_cost`` (primary profile, batch B, the EP group's cost); with

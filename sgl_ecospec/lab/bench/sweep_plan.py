@@ -108,7 +108,8 @@ def selection_configs(
             ``selection_cost(ep_size=)`` on that EP group's hardware, which price an expert
             at the busiest rank's pace, with the placement (contiguous ranks) and
             ``ADAPTIVE_EP_TOTAL_WEIGHT``, so that a candidate's DeltaCost counts the rise of
-            the busiest rank only; evict's step seconds are that hardware's. The other policies
+            the busiest rank only (the prior: the run measures the weight,
+            :func:`expert_exchange`); evict's step seconds are that hardware's. The other policies
             do not depend on it (``ecospec`` selects at EP 1, ``ecospec-ep`` at the largest
             EP size).
 
