@@ -202,10 +202,10 @@ def expert_exchange(
     ep_size: int = 1,
     total_weight: float | None = None,
 ) -> ExpertExchange:
-    """adaptive's exchange rate at batch size ``batch`` when it selects for EP ``ep_size``
-    (with ``total_weight``, as its ``SpecConfig``): measured on the run's own verify steps,
-    into the profile selection prices with, from the prior weight of
-    :func:`selection_configs`; the prior counts for one step that adds a whole testbed
+    """adaptive's prices of a testbed expert at batch size ``batch`` when it selects for EP
+    ``ep_size`` (with ``total_weight``, as its ``SpecConfig``): measured on the run's own
+    verify steps, in the loads of the profile selection prices with, from the prior weight
+    of :func:`selection_configs`; the prior counts for one step that adds a whole testbed
     layer's experts in every layer."""
     return ExpertExchange(
         num_experts=testbed["num_experts"],

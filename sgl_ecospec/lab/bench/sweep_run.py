@@ -87,7 +87,7 @@ def speculative_run(
 ):
     """One policy at one batch size over every batch: (steps, testbed metrics); with
     ``compare`` (a ``SpecConfig``) the steps also score its selection; with ``exchange``
-    (an ``ExpertExchange``) the layer weights follow its measured rate."""
+    (an ``ExpertExchange``) selection follows its measured prices."""
     import torch
 
     torch.manual_seed(cfg.seed)
