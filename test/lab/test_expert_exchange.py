@@ -207,3 +207,48 @@ def test_saturated_ranks_make_the_other_experts_cost():
     roomy.update(routing, torch.ones(7, 2, dtype=torch.bool))
     assert roomy.experts[0] == 0 and roomy.experts[1] == 7
     assert 0 <= roomy.prices()[1] < exchange.prices()[1] / 3
+
+
+def test_the_live_recall_measures_new_experts_at_the_exchange_s_total_weight(
+    engine, monkeypatch
+):
+    """Under EP a candidate's measured new experts n join DeltaCost, so they are counted
+    with the total_weight the step selected with: the exchange's, not the configured one."""
+    from sgl_ecospec.lab.engine import offline
+
+    class FixedPrices(ExpertExchange):
+        def prices(self):
+            return 1.0, 0.5  # total_weight 0.5 under EP
+
+    seen = []
+
+    def record(*args, total_weight=None, **kwargs):
+        seen.append(total_weight)
+        return record_recall(*args, total_weight=total_weight, **kwargs)
+
+    record_recall = offline.record_recall
+    monkeypatch.setattr(offline, "record_recall", record)
+    spec = SpecConfig(
+        budget=4,
+        policy="adaptive",
+        eps=0.5,
+        step_cost=40.0,
+        layer_weights=(1.0,) * LAYERS,
+        expert_rank=(torch.arange(EXPERTS) // 4).tolist(),
+        num_ranks=4,
+        total_weight=0.0,
+        recall_weighted_cost=True,
+    )
+    exchange = FixedPrices(
+        num_experts=EXPERTS,
+        top_k=TOP_K,
+        profile=DEEPSEEK,
+        prior=1.0,
+        prior_experts=1.0,
+        ep_size=4,
+        total_weight=0.0,
+    )
+    result = engine.generate_speculative(
+        PROMPTS, 4, spec, OnlineExpertPredictor(LAYERS, EXPERTS, TOP_K), exchange=exchange
+    )
+    assert result.steps and seen == [0.5] * len(result.steps)

@@ -341,7 +341,8 @@ class OfflineEngine:
         batch = batch_index(selected)
         rows = verify_rows(selected)
         recall = topk_recall(chosen.verify_predicted[verify.valid], routing, self.num_experts)
-        placement = selection[1].get("placement")  # n in the units of the EP cost
+        # n in the units of the EP cost this step selected with (the exchange's total_weight)
+        placement = selection[1].get("placement")
         record_recall(
             predictor,
             chosen,
@@ -349,7 +350,7 @@ class OfflineEngine:
             out.routing,
             budget=spec.budget,
             placement=placement,
-            total_weight=None if placement is None else selection[0].total_weight,
+            total_weight=None if placement is None else options.total_weight,
         )
         if exchange is not None:
             exchange.update(out.routing, verify.valid)
