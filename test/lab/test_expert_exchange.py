@@ -209,9 +209,7 @@ def test_saturated_ranks_make_the_other_experts_cost():
     assert 0 <= roomy.prices()[1] < exchange.prices()[1] / 3
 
 
-def test_the_live_recall_measures_new_experts_at_the_exchange_s_total_weight(
-    engine, monkeypatch
-):
+def test_the_live_recall_measures_new_experts_at_the_exchange_s_total_weight(engine, monkeypatch):
     """Under EP a candidate's measured new experts n join DeltaCost, so they are counted
     with the total_weight the step selected with: the exchange's, not the configured one."""
     from sgl_ecospec.lab.engine import offline
