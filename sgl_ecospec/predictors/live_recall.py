@@ -22,7 +22,7 @@ class LiveRecall:
     ``w_l * predicted_new_l + (1 - w_l) * n_l``: its predicted new experts as far as they
     are trusted, the rest n_l, the new experts a verified candidate really brings to its
     step's verify pass, measured after every verify (:meth:`update_novel`). w_l is the
-    slope of true on predicted new experts among a request's verified candidates
+    slope of true on predicted new experts over the recent steps' verified candidates
     (:meth:`update_cost_fit`): 0 for predictions that say nothing about which candidate
     costs more, 1 for exact ones. Recall does not measure that: on the full testbed the
     `adjacent` predictor recalls 0.47 (a recall-derived trust (r - K/E) / (1 - K/E) of
@@ -68,8 +68,9 @@ class LiveRecall:
         self.novel = torch.zeros(num_layers, dtype=torch.float32, device=device)
         self.novel_steps = torch.zeros((), dtype=torch.float32, device=device)
         self.hits = torch.zeros(num_layers, dtype=torch.float64, device=device)  # [L]
-        # update_cost_fit's decayed sums of x^2 and x y per layer [2, L], and the trust w_l
-        self.cost_fit = torch.zeros(2, num_layers, dtype=torch.float32, device=device)
+        # update_cost_fit's decayed sums per layer of 1, x, y, x^2 and x y [5, L] over the
+        # verified candidates, and the trust w_l
+        self.cost_fit = torch.zeros(5, num_layers, dtype=torch.float32, device=device)
         self.trust = torch.zeros_like(self.novel)
         self.rows = torch.zeros((), dtype=torch.float64, device=device)
 
@@ -118,12 +119,16 @@ class LiveRecall:
         routing: torch.Tensor,
         valid: torch.Tensor | None = None,
     ) -> None:
-        """Adds one verify step to the trust ``w_l``: the least-squares slope, per layer, of
-        a verified candidate's true new experts y on its predicted new experts x (those
-        outside the roots' true and predicted union: what DeltaCost counts), each taken
-        relative to its request's other verified candidates, since selection weighs a
-        request's candidates against each other. Sums decay by ``rate`` per step; the slope
-        is shrunk towards 0 while they are few, and clamped to [0, 1]. No host sync.
+        """Adds one verify step to the trust ``w_l``: the least-squares slope (with an
+        intercept), per layer, of a verified candidate's true new experts y on its predicted
+        new experts x (those outside the roots' true and predicted union: what DeltaCost
+        counts), over the verified candidates of the recent steps. It reads how candidates
+        differ within a request (which of them to drop) and from step to step (how many to
+        verify, which "adaptive" sizes by): centred within each request instead, a step of
+        batch 1 with one verified candidate, the common case there, is no evidence, and even
+        exact predictions stayed barely trusted (docs/RESULTS.md, sweep run 8). Sums decay
+        by ``rate`` per step; the slope is shrunk towards 0 while they are few, and clamped
+        to [0, 1]. No host sync.
 
         Args:
             predicted: int ``[B, R, L, K]``: the predictions of the verify rows, root first
@@ -135,15 +140,17 @@ class LiveRecall:
         if valid is not None:
             weight = valid.to(weight.device, torch.float32)
         w = weight[:, 1:, None]  # [B, R - 1, 1]
-        per_request = w.sum(1, keepdim=True).clamp_min(1.0)
         x, y = (_new_experts(ids, weight, self.num_experts) for ids in (predicted, routing))
-        x = (x - (w * x).sum(1, keepdim=True) / per_request) * w  # [B, R - 1, L]
-        y = (y - (w * y).sum(1, keepdim=True) / per_request) * w
-        self.cost_fit.mul_(1.0 - self.rate).add_(torch.stack([x * x, x * y]).sum((1, 2)))
-        xx, xy = self.cost_fit
-        # + K: a prior of no trust worth about one candidate's spread, so that one step's
-        # few candidates do not swing it
-        torch.clamp(xy / (xx + self.top_k), 0.0, 1.0, out=self.trust)
+        terms = torch.stack([w.expand_as(x), x, y, x * x, x * y]) * w  # [5, B, R - 1, L]
+        self.cost_fit.mul_(1.0 - self.rate).add_(terms.sum((1, 2)))
+        count, sx, sy, sxx, sxy = self.cost_fit
+        count = count.clamp_min(1e-6)
+        spread = (sxx - sx * sx / count).clamp_min(0.0)
+        # A prior of no trust worth one candidate's spread (spread / count), so that a few
+        # candidates do not swing it; in the spread's own units, since a layer whose
+        # candidates bring one new expert or none varies far less than one that brings K.
+        slope = (sxy - sx * sy / count) / (spread * (1.0 + 1.0 / count) + 1e-6)
+        torch.clamp(slope, 0.0, 1.0, out=self.trust)
 
     def layer_weights(self, base: torch.Tensor | None = None) -> torch.Tensor:
         """float32 ``[L]``: each layer's trust ``w_l`` in [0, 1] (times ``base`` ``[L]``, the

@@ -17,7 +17,7 @@ from sgl_ecospec.costmodel import (
 from sgl_ecospec.lab.bench import cli as bench_cli
 from sgl_ecospec.lab.bench import metrics, runs
 from sgl_ecospec.lab.config import BenchConfig
-from sgl_ecospec.lab.engine import SpecConfig
+from sgl_ecospec.lab.engine import OracleExpertPredictor, SpecConfig
 from sgl_ecospec.lab.engine.stats import StepStats as Step
 
 QWEN3 = get_model("qwen3-235b-a22b")
@@ -153,6 +153,7 @@ class FakeEngine:
 def fake_engine(monkeypatch):
     module = types.ModuleType("sgl_ecospec.lab.engine")
     module.SpecConfig, module.OfflineEngine = SpecConfig, FakeEngine
+    module.OracleExpertPredictor = OracleExpertPredictor
     monkeypatch.setitem(sys.modules, "sgl_ecospec.lab.engine", module)
     monkeypatch.setattr(FakeEngine, "corrupt", False)
     monkeypatch.setattr(FakeEngine, "logit_step", 1.0)
@@ -241,7 +242,10 @@ def test_bench_oracle_predictor_and_jsonl_prompts(fake_engine, tmp_path):
     out_json = tmp_path / "bench.json"
     argv = ["--prompts", str(prompts), "--num-prompts", "2", "--predictor", "oracle"]
     assert _run([*argv, "--policy", "ecospec", "--json", str(out_json)]) == 0
-    assert {c[1] for c in fake_engine.calls} == {"oracle"}
+    # one oracle for the run's batches, so its live recall learns over all of them
+    oracles = {id(c[1]) for c in fake_engine.calls}
+    assert len(fake_engine.calls) == 2 and len(oracles) == 1
+    assert isinstance(fake_engine.calls[0][1], OracleExpertPredictor)
     report = json.loads(out_json.read_text())
     assert list(report["policies"]) == ["ecospec"]
     assert report["config"]["datasets"] == [str(prompts)]

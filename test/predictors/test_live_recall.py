@@ -210,16 +210,22 @@ def test_trust_is_the_slope_of_true_on_predicted_new_experts():
     assert torch.allclose(perfect.trust, before[1], atol=0.01)
 
 
-def test_trust_compares_a_requests_candidates_not_whole_steps():
-    """Selection weighs a request's candidates against each other, so the fit reads how
-    they differ: candidates that all bring a request the same new experts, however many
-    from step to step and however exactly predicted, are no evidence either way."""
+def test_trust_reads_how_many_new_experts_a_step_brings():
+    """ "adaptive" sizes a verify set by what its candidates cost, so a predictor that knows
+    how many new experts each step's candidates bring is trusted even where a request
+    verifies one candidate (batch 1) or its candidates are alike; one whose counts do not
+    follow the routing is not."""
     gen = torch.Generator().manual_seed(1)
-    live = LiveRecall(L, E, K)
-    roots = torch.arange(K).expand(2, 1, L, K)
+    exact, wrong = LiveRecall(L, E, K), LiveRecall(L, E, K)
+    roots = torch.arange(K).expand(1, 1, L, K)
+
+    def candidate(new):
+        return torch.cat([torch.arange(new) + K, torch.arange(K - new)]).expand(1, 1, L, K)
+
     for _ in range(50):
-        new = int(torch.randint(K + 1, (1,), generator=gen))  # this step's new experts
-        ids = torch.cat([torch.arange(new) + K, torch.arange(K - new)])
-        routing = torch.cat([roots, ids.expand(2, 3, L, K)], 1)
-        live.update_cost_fit(routing, routing)
-    assert torch.equal(live.trust, torch.zeros(L))
+        new, guess = (int(n) for n in torch.randint(K + 1, (2,), generator=gen))
+        routing = torch.cat([roots, candidate(new)], 1)
+        exact.update_cost_fit(routing, routing)
+        wrong.update_cost_fit(torch.cat([roots, candidate(guess)], 1), routing)
+    assert float(exact.trust.min()) > 0.85  # shrunk by the prior: one candidate a step
+    assert float(wrong.trust.max()) < 0.3

@@ -49,15 +49,17 @@ class TimedPredictor(ExpertPredictor):
 
 
 def timed(predictor):
-    """``predictor`` wrapped in :class:`TimedPredictor`; a name ("oracle") is kept, since
-    the engine builds that predictor itself."""
-    return TimedPredictor(predictor) if isinstance(predictor, ExpertPredictor) else predictor
+    """``predictor`` wrapped in :class:`TimedPredictor`; the oracle (``prime``) is kept, since
+    the engine primes it with each step's true routing, and a name is kept too."""
+    if hasattr(predictor, "prime") or not isinstance(predictor, ExpertPredictor):
+        return predictor
+    return TimedPredictor(predictor)
 
 
 def predictor_fields(predictor) -> dict:
     """A run's ``predict_ms_per_step`` (mean milliseconds of one prediction per verify
     step) and ``predictor_recall_per_layer`` (recall over every verified row, per MoE
-    layer); None where not measured (the oracle, which the engine builds per call)."""
+    layer); None where not measured (the oracle, which is not timed)."""
     if not isinstance(predictor, TimedPredictor):
         return {"predict_ms_per_step": None, "predictor_recall_per_layer": None}
     live = predictor.live_recall

@@ -64,11 +64,16 @@ def open_engine(cfg, command: str):
 def run_predictor(cfg, engine):
     """The predictor a run starts with: a fresh one per run, learning over all of its
     batches, so every policy starts from the same state and sees the same prompts
-    (``--predictor-file`` loaded anew, an empty online table, or "oracle")."""
+    (``--predictor-file`` loaded anew, an empty online table, or the oracle, whose live
+    recall, the recall-weighted cost's trust and measured cost, also learns over the whole
+    run: built per batch, it started cold on every prompt at batch 1)."""
+    from sgl_ecospec.lab.engine import OracleExpertPredictor
     from sgl_ecospec.predictors import ONLINE_PREDICTORS, make_predictor
 
     if cfg.predictor_file:
         return load_run_predictor(cfg, engine)
+    if cfg.predictor == "oracle":
+        return OracleExpertPredictor(engine.num_layers, engine.num_experts, engine.top_k)
     if cfg.predictor in ONLINE_PREDICTORS:
         # The hashed online table needs no vocabulary size; the others give each token a row.
         vocab = None if cfg.predictor == "online" else engine.target.config.vocab_size
