@@ -50,10 +50,8 @@ class TimedPredictor(ExpertPredictor):
 
 def timed(predictor):
     """``predictor`` wrapped in :class:`TimedPredictor`; the oracle (``prime``) is kept, since
-    the engine primes it with each step's true routing, and a name is kept too."""
-    if hasattr(predictor, "prime") or not isinstance(predictor, ExpertPredictor):
-        return predictor
-    return TimedPredictor(predictor)
+    the engine primes it with each step's true routing."""
+    return predictor if hasattr(predictor, "prime") else TimedPredictor(predictor)
 
 
 def predictor_fields(predictor) -> dict:

@@ -72,14 +72,12 @@ def run_predictor(cfg, engine):
 
     if cfg.predictor_file:
         return load_run_predictor(cfg, engine)
-    if cfg.predictor == "oracle":
-        return OracleExpertPredictor(engine.num_layers, engine.num_experts, engine.top_k)
+    shape = (engine.num_layers, engine.num_experts, engine.top_k)
     if cfg.predictor in ONLINE_PREDICTORS:
         # The hashed online table needs no vocabulary size; the others give each token a row.
         vocab = None if cfg.predictor == "online" else engine.target.config.vocab_size
-        shape = (engine.num_layers, engine.num_experts, engine.top_k)
         return make_predictor(cfg.predictor, *shape, vocab_size=vocab, device=cfg.device)
-    return cfg.predictor
+    return OracleExpertPredictor(*shape)  # the config allows "head" only with a file
 
 
 def load_run_predictor(cfg, engine):
