@@ -140,6 +140,11 @@ SelectSizes check_select_verify_set_args(SGL_ECOSPEC_SELECT_VERIFY_SET_PARAMS) {
                     "select_verify_set: step_tokens must be finite and >= 0, got ", step_tokens);
   TORCH_CHECK_VALUE(std::isfinite(step_cost) && step_cost > 0,
                     "select_verify_set: step_cost must be finite and > 0, got ", step_cost);
+  TORCH_CHECK_VALUE(std::isfinite(candidate_cost) && candidate_cost >= 0,
+                    "select_verify_set: candidate_cost must be finite and >= 0, got ",
+                    candidate_cost);
+  TORCH_CHECK_VALUE(candidate_decay >= 0 && candidate_decay <= 1,
+                    "select_verify_set: candidate_decay must lie in [0, 1], got ", candidate_decay);
   const Policy kind = policy == "confidence" ? Policy::kConfidence
                       : policy == "ecospec"  ? Policy::kEcoSpec
                                              : Policy::kAdaptive;

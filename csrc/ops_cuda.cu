@@ -159,6 +159,8 @@ at::Tensor select_verify_set_cuda(SGL_ECOSPEC_SELECT_VERIFY_SET_PARAMS) {
   args.eps = eps;
   args.step_tokens = step_tokens;
   args.step_cost = step_cost;
+  args.candidate_cost = candidate_cost;
+  args.candidate_decay = candidate_decay;
   args.ep = placement.enabled;
   args.rank_layer_stride = placement.layer_stride;
   args.num_experts = placement.num_experts;

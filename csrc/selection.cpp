@@ -24,6 +24,7 @@ struct Tree {
   int64_t num_nodes, layers, words;
   Policy policy;
   double eps;
+  double candidate_cost, candidate_decay;  // a request's k-th candidate adds cost x decay^k
   Placement placement;
 };
 
@@ -45,8 +46,9 @@ struct Choice {
   double priority, delta;
 };
 
-// Best frontier node of request b (lowest index on ties).
-Choice pick(const Tree& t, int64_t b, const uint8_t* selected, const Buffer& buffer) {
+// Best frontier node of request b (lowest index on ties); `eps`: what its next candidate
+// costs beyond DeltaCost.
+Choice pick(const Tree& t, int64_t b, const uint8_t* selected, const Buffer& buffer, double eps) {
   const int64_t n = t.num_nodes;
   const int64_t lw = t.layers * t.words;
   const double* prob = t.prob + b * n;
@@ -59,7 +61,7 @@ Choice pick(const Tree& t, int64_t b, const uint8_t* selected, const Buffer& buf
                              : delta_cost(t.experts + (b * n + i) * lw, buffer.experts, t.layers,
                                           t.words, t.weights, t.placement, buffer.loads,
                                           buffer.peaks);
-    const double priority = node_priority(t.policy, prob[i], delta, t.eps);
+    const double priority = node_priority(t.policy, prob[i], delta, eps);
     if (is_better(priority, i, best.priority, best.index)) best = Choice{i, priority, delta};
   }
   return best;
@@ -96,15 +98,18 @@ void seed_buffer(const Tree& t, const Buffer& buffer, const uint64_t* roots) {
 
 // One turn of request b: picks its best node and takes it unless the adaptive policy
 // finds that it would lower the step's tokens per cost. False when nothing was taken.
+// `price`: the scheduled cost of request b's next candidate (candidate_eps).
 bool take_turn(const Tree& t, int64_t b, uint8_t* selected, const Buffer& buffer,
-               Account& account) {
-  const Choice c = pick(t, b, selected, buffer);
+               Account& account, double& price) {
+  const double eps = candidate_eps(t.eps, price);
+  const Choice c = pick(t, b, selected, buffer, eps);
   if (c.index < 0) return false;
   if (t.policy == Policy::kAdaptive) {
     if (!raises_throughput(c.priority, account.tokens, account.cost)) return false;
     account.tokens += t.prob[b * t.num_nodes + c.index];
-    account.cost += c.delta + t.eps;
+    account.cost += c.delta + eps;
   }
+  price = mul_rn(price, t.candidate_decay);
   selected[c.index] = 1;
   if (t.policy != Policy::kConfidence) {
     add_to_buffer(t, buffer, t.experts + (b * t.num_nodes + c.index) * t.layers * t.words);
@@ -160,6 +165,8 @@ at::Tensor select_verify_set_cpu(SGL_ECOSPEC_SELECT_VERIFY_SET_PARAMS) {
                   words,
                   sizes.policy,
                   eps,
+                  candidate_cost,
+                  candidate_decay,
                   placement};
   at::Tensor out = at::empty({batch, budget}, par.options());
   int64_t* out_ptr = out.data_ptr<int64_t>();
@@ -177,8 +184,11 @@ at::Tensor select_verify_set_cpu(SGL_ECOSPEC_SELECT_VERIFY_SET_PARAMS) {
     const double requests = static_cast<double>(batch);
     Account account{step_tokens * requests, step_cost * requests};
     std::vector<uint8_t> selected(batch * n, 0);
+    std::vector<double> prices(batch, candidate_cost);
     for (int64_t step = 0; step < budget; ++step) {
-      for (int64_t b = 0; b < batch; ++b) take_turn(tree, b, selected.data() + b * n, buffer, account);
+      for (int64_t b = 0; b < batch; ++b) {
+        take_turn(tree, b, selected.data() + b * n, buffer, account, prices[b]);
+      }
     }
     for (int64_t b = 0; b < batch; ++b) write_row(selected.data() + b * n, n, budget, out_ptr + b * budget);
     return out;
@@ -192,9 +202,10 @@ at::Tensor select_verify_set_cpu(SGL_ECOSPEC_SELECT_VERIFY_SET_PARAMS) {
       std::fill(selected.begin(), selected.end(), 0);
       seed_buffer(tree, buffer, root_ptr + b * lw);
       Account account{step_tokens, step_cost};
+      double price = candidate_cost;
       // A request that takes nothing this turn never will: its state did not change.
       for (int64_t step = 0; step < budget; ++step) {
-        if (!take_turn(tree, b, selected.data(), buffer, account)) break;
+        if (!take_turn(tree, b, selected.data(), buffer, account, price)) break;
       }
       write_row(selected.data(), n, budget, out_ptr + b * budget);
     }

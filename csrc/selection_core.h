@@ -191,6 +191,11 @@ SGL_HD double delta_cost(const uint64_t* node, const uint64_t* buffer, int64_t l
   return total;
 }
 
+// What a request's next candidate costs beyond its DeltaCost: eps plus its scheduled cost
+// `price` = candidate_cost x candidate_decay^k for its k-th candidate (each backend keeps
+// `price` per request and multiplies it by the decay, mul_rn, after each take).
+SGL_HD double candidate_eps(double eps, double price) { return add_rn(eps, price); }
+
 SGL_HD double node_priority(Policy policy, double prob, double delta, double eps) {
   if (policy == Policy::kConfidence) return prob;
   return prob / (delta + eps);

@@ -123,6 +123,7 @@ struct SelectArgs {
   int64_t requests_per_block;  // B (share_buffer) or 1
   Policy policy;
   double eps, step_tokens, step_cost;
+  double candidate_cost, candidate_decay;  // a request's k-th candidate adds cost x decay^k
   bool ep;
   int64_t rank_layer_stride, num_experts, num_ranks;  // stride E ([L, E]) or 0 ([E])
   double total_weight;
@@ -335,21 +336,26 @@ __device__ void prefetch_frontier(const SelectArgs& a, const Workspace& ws, int6
 // by the last warp when the next request is another (its flags cannot change in this turn),
 // in phase 2 by warp 0 when it is the same. Every thread returns the same answer: whether a
 // node was taken. `tokens`, `cost`: the adaptive account (the same in every thread).
+// `taken`: request k's candidates taken so far, which set its next one's scheduled cost.
 __device__ bool take_turn(const SelectArgs& a, const Workspace& ws, int64_t first, int64_t k,
                           int64_t next, int parity, int64_t* counts, Best* slots, double* tokens,
-                          double* cost) {
+                          double* cost, int64_t taken) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t n = a.num_nodes, lw = a.layers * a.words, b = first + k;
   const int64_t* list = ws.frontier + parity * n;
   int64_t* next_list = ws.frontier + (1 - parity) * n;
   const int64_t frontier = counts[parity];
+  // The same multiplications, in the same order, as the CPU op's running price.
+  double price = a.candidate_cost;
+  for (int64_t j = 0; j < taken; ++j) price = mul_rn(price, a.candidate_decay);
+  const double eps = candidate_eps(a.eps, price);
   // Phase 1: one warp per frontier candidate.
   Best mine{0.0, -1, 0.0};
   for (int64_t j = warp; j < frontier; j += kSelectWarps) {
     const int64_t i = list[j];
     const double delta =
         needs_buffer(a) ? warp_delta(a, ws, a.experts + (b * n + i) * lw) : 0.0;
-    const double priority = node_priority(a.policy, a.prob[b * n + i], delta, a.eps);
+    const double priority = node_priority(a.policy, a.prob[b * n + i], delta, eps);
     mine = better_of(mine, Best{priority, i, delta});
   }
   if (lane == 0) slots[warp] = mine;
@@ -374,7 +380,7 @@ __device__ bool take_turn(const SelectArgs& a, const Workspace& ws, int64_t firs
     take = raises_throughput(best.priority, *tokens, *cost);
     if (take) {
       *tokens = add_rn(*tokens, a.prob[b * n + best.index]);
-      *cost = add_rn(*cost, add_rn(best.delta, a.eps));
+      *cost = add_rn(*cost, add_rn(best.delta, eps));
     }
   }
   if (warp == 0) {
@@ -405,6 +411,13 @@ __device__ bool take_turn(const SelectArgs& a, const Workspace& ws, int64_t firs
   }
   __syncthreads();
   return take;
+}
+
+// How many candidates request k of the block has taken (every thread reads the same flags).
+__device__ int64_t taken_count(const SelectArgs& a, const Workspace& ws, int64_t k) {
+  int64_t taken = 0;
+  for (int64_t i = 0; i < a.num_nodes; ++i) taken += ws.selected[k * a.num_nodes + i] != 0;
+  return taken;
 }
 
 // Writes each request's selected candidates ascending, then -1 padding (a warp per request).
@@ -444,7 +457,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(SelectArgs a)
     bool any = false;
     for (int64_t k = 0; k < group; ++k, parity ^= 1) {
       any |= take_turn(a, ws, first, k, (k + 1) % group, parity, frontier_counts, slots, &tokens,
-                       &cost);
+                       &cost, taken_count(a, ws, k));
     }
     // A round in which no request took a node changed nothing: the next ones would repeat it.
     if (!any) break;

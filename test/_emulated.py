@@ -28,7 +28,7 @@ def build(folder: Path) -> ctypes.CDLL | None:
     p, i64, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
     lib.emu_select.restype = i64
     lib.emu_select.argtypes = [p] * 6 + [i64, p] + [i64] * 5 + [ctypes.c_int, f64, ctypes.c_bool]
-    lib.emu_select.argtypes += [i64, i64, f64, f64, f64, i64]
+    lib.emu_select.argtypes += [i64, i64, f64, f64, f64, f64, f64, i64]
     lib.emu_error.restype = ctypes.c_char_p
     return lib
 
@@ -54,6 +54,8 @@ def select_emulated(
     total_weight=None,
     step_tokens=1.0,
     step_cost=1.0,
+    candidate_cost=0.0,
+    candidate_decay=1.0,
     shared_limit=1 << 30,
 ) -> tuple[torch.Tensor, int]:
     """``select_verify_set``'s CUDA kernel on the CPU (arguments as the op, converted as its
@@ -94,6 +96,8 @@ def select_emulated(
         total_weight or 0.0,
         step_tokens,
         step_cost,
+        candidate_cost,
+        candidate_decay,
         shared_limit,
     )
     assert where >= 0, lib.emu_error().decode()

@@ -39,6 +39,8 @@ def python_greedy(
     total_weight=0.0,
     step_tokens=1.0,
     step_cost=1.0,
+    candidate_cost=0.0,
+    candidate_decay=1.0,
 ):
     """The selection rule written with Python sets: an independent check of the reference."""
     batch, num_nodes = scores.shape
@@ -85,6 +87,10 @@ def python_greedy(
 
     def pick(b):
         best, best_priority, best_cost = -1, None, 0.0
+        price = candidate_cost  # of request b's next candidate: times the decay per take
+        for _ in chosen[b]:
+            price *= candidate_decay
+        beyond = eps + price
         for i in range(num_nodes):
             p = int(parents[b, i])
             if i in chosen[b] or (p >= 0 and p not in chosen[b]):
@@ -95,7 +101,7 @@ def python_greedy(
                     fresh = sets[b][i][layer] - buffers[b][layer]
                     c = layer_cost(fresh, buffers[b][layer], layer)
                     cost += c if weights is None else float(weights[layer]) * c
-                priority = priority / (cost + eps)
+                priority = priority / (cost + beyond)
             if best < 0 or priority > best_priority:
                 best, best_priority, best_cost = i, priority, cost
         if best < 0:
@@ -105,7 +111,7 @@ def python_greedy(
             if best_priority < account[0] / account[1]:
                 return
             account[0] += float(scores[b, best])
-            account[1] += best_cost + eps
+            account[1] += best_cost + beyond
         chosen[b].append(best)
         for layer in range(layers):
             buffers[b][layer] |= sets[b][best][layer]

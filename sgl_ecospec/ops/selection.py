@@ -20,6 +20,11 @@ parent is the root or already selected):
   (step_tokens + sum P) / (step_cost + sum (DeltaCost + eps)): adding a node below that
   rate would lower the step's throughput, so the set stops short of ``budget``.
 
+With ``candidate_cost`` a request's k-th candidate (k = 0, 1, ...) costs
+``candidate_cost x candidate_decay^k`` on top of DeltaCost + eps, in every policy but
+"confidence": the cost model's price of one more verified token per request, which falls as
+a request's candidates fill the experts the step loads anyway (``costmodel.selection_cost``).
+
 With ``expert_rank`` (expert parallelism) DeltaCost is the rise of the busiest rank's
 expert count, per layer, plus ``total_weight`` times the rise of the other ranks' counts
 (docs/selection.md).
@@ -69,6 +74,8 @@ class SelectionOptions:
     total_weight: float | None = None
     step_tokens: float = 1.0
     step_cost: float | None = None
+    candidate_cost: float = 0.0
+    candidate_decay: float = 1.0
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -82,6 +89,10 @@ class SelectionOptions:
                 raise ValueError(f"total_weight must lie in [0, 1], got {weight}")
         if check_finite("step_tokens", self.step_tokens) < 0:
             raise ValueError(f"step_tokens must be >= 0, got {self.step_tokens}")
+        if check_finite("candidate_cost", self.candidate_cost) < 0:
+            raise ValueError(f"candidate_cost must be >= 0, got {self.candidate_cost}")
+        if not 0 <= check_finite("candidate_decay", self.candidate_decay) <= 1:
+            raise ValueError(f"candidate_decay must lie in [0, 1], got {self.candidate_decay}")
         if self.step_cost is not None:
             check_positive("step_cost", self.step_cost)
         elif self.policy == "adaptive":
@@ -100,6 +111,8 @@ class SelectionOptions:
             "share_buffer": self.share_buffer,
             "step_tokens": self.step_tokens,
             "step_cost": self.step_cost,
+            "candidate_cost": self.candidate_cost,
+            "candidate_decay": self.candidate_decay,
         }
 
     def with_eps(self, eps: float) -> "SelectionOptions":
@@ -123,6 +136,8 @@ def select_verify_set(
     total_weight: float | None = None,
     step_tokens: float = 1.0,
     step_cost: float | None = None,
+    candidate_cost: float = 0.0,
+    candidate_decay: float = 1.0,
     validate: bool = True,
     impl: str = "auto",
 ) -> torch.Tensor:
@@ -160,6 +175,10 @@ def select_verify_set(
             candidate (drafting, the verify pass over the roots, accept/reject), in the
             units of eps. Required by "adaptive", ignored by the other policies. With
             ``share_buffer`` the step's account starts at B x step_tokens and B x step_cost.
+        candidate_cost: >= 0, what a request's first candidate costs beyond DeltaCost + eps,
+            in the units of eps (0: nothing; ``selection_cost``'s ``candidate_cost``).
+        candidate_decay: in [0, 1], the factor by which each candidate a request takes
+            lowers its next one's ``candidate_cost`` share.
         validate: check values (NaN or negative scores, parents out of range, cycles, ranks
             out of range, negative or non-finite layer weights); costs host syncs on GPU.
             Shapes and dtypes are always checked.
@@ -171,7 +190,14 @@ def select_verify_set(
         end with -1.
     """
     SelectionOptions(
-        policy, eps, bool(share_buffer), total_weight, step_tokens, step_cost
+        policy,
+        eps,
+        bool(share_buffer),
+        total_weight,
+        step_tokens,
+        step_cost,
+        candidate_cost,
+        candidate_decay,
     )  # checks the scalar options
     _check_inputs(scores, parents, node_experts, budget, root_experts, layer_weights)
     placement = _check_placement(node_experts, expert_rank, num_ranks, total_weight)
@@ -202,6 +228,8 @@ def select_verify_set(
             total_weight,
             step_tokens,
             step_cost,
+            float(candidate_cost),
+            float(candidate_decay),
         )
     return select_verify_set_reference(
         scores,
@@ -218,6 +246,8 @@ def select_verify_set(
         total_weight=total_weight,
         step_tokens=step_tokens,
         step_cost=step_cost,
+        candidate_cost=float(candidate_cost),
+        candidate_decay=float(candidate_decay),
     )
 
 

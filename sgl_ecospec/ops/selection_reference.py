@@ -33,6 +33,8 @@ def select_verify_set_reference(
     total_weight: float | None = None,
     step_tokens: float = 1.0,
     step_cost: float = 1.0,
+    candidate_cost: float = 0.0,
+    candidate_decay: float = 1.0,
 ) -> torch.Tensor:
     """Plain PyTorch version of :func:`select_verify_set` (same arguments, no validation;
     ``num_ranks`` and ``total_weight`` default as there).
@@ -68,6 +70,10 @@ def select_verify_set_reference(
     requests = batch if share_buffer else 1
     tokens = torch.full((accounts,), step_tokens * requests, dtype=torch.float64, device=device)
     cost = torch.full((accounts,), step_cost * requests, dtype=torch.float64, device=device)
+    # Each request's next candidate's scheduled cost, times candidate_decay after each take
+    # (the same multiplications as the native ops'); eps + price is what it costs beyond
+    # DeltaCost.
+    price = torch.full((batch, 1), float(candidate_cost), dtype=torch.float64, device=device)
 
     def pick(rows: slice) -> None:
         # rows: every request at once, or one in turn with share_buffer. Masks and where
@@ -75,11 +81,12 @@ def select_verify_set_reference(
         sel = selected[rows]  # view [B', N]
         parent = parents[rows]
         available = (sel.gather(1, parent.clamp(min=0)) | (parent < 0)) & ~sel
+        cost_beyond = eps + price[rows]  # [B', 1]
         if policy == "confidence":
             priority = prob[rows]
         else:
             delta = _delta_cost(node_experts[rows], buffer[rows], weights, placement)
-            priority = prob[rows] / (delta + eps)
+            priority = prob[rows] / (delta + cost_beyond)
         priority = priority.masked_fill(~available, -math.inf)
         best = priority.argmax(1, keepdim=True)  # [B', 1]
         take = available.any(1, keepdim=True)  # [B', 1]
@@ -88,8 +95,9 @@ def select_verify_set_reference(
             best_priority = priority.gather(1, best)
             take &= best_priority >= (tokens[account] / cost[account])[:, None]
             tokens[account] += torch.where(take, prob[rows].gather(1, best), 0.0)[:, 0]
-            cost[account] += torch.where(take, delta.gather(1, best) + eps, 0.0)[:, 0]
+            cost[account] += torch.where(take, delta.gather(1, best) + cost_beyond, 0.0)[:, 0]
         sel.scatter_(1, best, sel.gather(1, best) | take)
+        price[rows] = torch.where(take, price[rows] * candidate_decay, price[rows])
         if policy != "confidence":
             chosen = node_experts[rows]  # [B', N, L, W]
             index = best[:, :, None, None].expand(-1, 1, *chosen.shape[2:])

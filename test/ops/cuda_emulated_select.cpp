@@ -22,7 +22,8 @@ extern "C" int64_t emu_select(const double* prob, const int64_t* parents, const 
                               int64_t layers, int64_t words, int64_t budget, int policy,
                               double eps, bool share_buffer, int64_t num_experts,
                               int64_t num_ranks, double total_weight, double step_tokens,
-                              double step_cost, int64_t shared_limit) {
+                              double step_cost, double candidate_cost, double candidate_decay,
+                              int64_t shared_limit) {
   using namespace sgl_ecospec;
   if (batch == 0) return 0;
   const bool ep = rank != nullptr;
@@ -49,6 +50,8 @@ extern "C" int64_t emu_select(const double* prob, const int64_t* parents, const 
   args.eps = eps;
   args.step_tokens = step_tokens;
   args.step_cost = step_cost;
+  args.candidate_cost = candidate_cost;
+  args.candidate_decay = candidate_decay;
   args.ep = ep;
   args.rank_layer_stride = ep && rank_rows > 1 ? num_experts : 0;
   args.num_experts = ep ? num_experts : 0;

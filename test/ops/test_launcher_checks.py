@@ -62,6 +62,8 @@ def select_args(**changes) -> list:
         total_weight=0.0,
         step_tokens=1.0,
         step_cost=1.0,
+        candidate_cost=0.0,
+        candidate_decay=1.0,
     )
     unknown = set(changes) - set(args)
     assert not unknown, unknown
@@ -129,6 +131,16 @@ SELECT_CASES = {
     "total_weight nan": (dict(total_weight=math.nan), ValueError, "total_weight must lie"),
     "step_tokens": (dict(step_tokens=-1.0), ValueError, "step_tokens must be finite and >= 0"),
     "step_cost": (dict(step_cost=0.0), ValueError, "step_cost must be finite and > 0"),
+    "candidate_cost": (
+        dict(candidate_cost=-1.0),
+        ValueError,
+        "candidate_cost must be finite and >= 0",
+    ),
+    "candidate_decay": (
+        dict(candidate_decay=1.5),
+        ValueError,
+        r"candidate_decay must lie in \[0, 1\]",
+    ),
 }
 
 BITMAP_CASES = {

@@ -109,6 +109,9 @@ TREE_CASE_FIELDS = {
     "total_weight": st.sampled_from([None, 0.0, 0.3, 1.0]),
     "step_tokens": st.sampled_from([0.0, 1.0, 2.5]),
     "step_cost": st.sampled_from([0.05, 3.0, 40.0, 1e6]),
+    # A request's k-th candidate's scheduled cost: none, or falling (decay < 1) or flat.
+    "candidate_cost": st.sampled_from([0.0, 0.0, 2.0, 30.0]),
+    "candidate_decay": st.sampled_from([1.0, 0.6, 0.1, 0.0]),
     "seed": st.integers(0, 2**31 - 1),
 }
 tree_cases = st.fixed_dictionaries(TREE_CASE_FIELDS)
@@ -157,6 +160,8 @@ def build_case(case):
         eps=case["eps"],
         share_buffer=case["share_buffer"],
         layer_weights=weights,
+        candidate_cost=case["candidate_cost"],
+        candidate_decay=case["candidate_decay"],
     )
     if case["placement"] is not None:
         shape = [case["num_experts"]]
@@ -194,6 +199,8 @@ def python_greedy_for(case, args, kwargs):
         case["num_experts"],
         step_tokens=kwargs.get("step_tokens", 1.0),
         step_cost=kwargs.get("step_cost", 1.0),
+        candidate_cost=kwargs["candidate_cost"],
+        candidate_decay=kwargs["candidate_decay"],
         **placement,
     )
 
