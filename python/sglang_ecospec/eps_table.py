@@ -45,11 +45,15 @@ class EpsTable:
     Attributes:
         batches: ascending bucket keys (the first is 1).
         eps: eps of each bucket, > 0.
+        step_costs: policy "adaptive"'s step cost of each bucket, or None.
+        candidate_costs: (candidate_cost, candidate_decay) of each bucket, with
+            ``step_costs`` (``selection_cost``'s).
     """
 
     batches: tuple[int, ...]
     eps: tuple[float, ...]
     step_costs: tuple[float, ...] | None = None
+    candidate_costs: tuple[tuple[float, float], ...] | None = None
 
     def lookup(self, batch: int) -> float:
         """eps of the largest bucket <= ``batch`` (the first bucket below it)."""
@@ -61,6 +65,16 @@ class EpsTable:
         if self.step_costs is None:
             raise ValueError("this eps table carries no step costs (built without draft_steps)")
         return self.step_costs[self._index(batch)]
+
+    def candidate_cost(self, batch: int) -> tuple[float, float]:
+        """(candidate_cost, candidate_decay) for ``batch`` requests (policy "adaptive"): what
+        a request's first candidate costs beyond eps, in expert loads, and the factor by
+        which each later one's cost falls."""
+        if self.candidate_costs is None:
+            raise ValueError(
+                "this eps table carries no candidate costs (built without draft_steps)"
+            )
+        return self.candidate_costs[self._index(batch)]
 
     def _index(self, batch: int) -> int:
         return max(bisect.bisect_right(self.batches, batch) - 1, 0)
@@ -180,7 +194,7 @@ def cost_model_eps_table(
         check_hardware_covers(hardware, ep_size)
     priced_ep = 1 if model_cost.calibrated else ep_size
     batches = bucket_sizes(max_batch)
-    eps, step_costs = [], []
+    eps, step_costs, candidate_costs = [], [], []
     for batch in batches:
         # layers = the profile's MoE layers (checked above): no layer weights.
         cost = selection_cost(
@@ -193,8 +207,13 @@ def cost_model_eps_table(
         )
         eps.append(cost.eps)
         step_costs.append(cost.step_cost)
+        candidate_costs.append((cost.candidate_cost, cost.candidate_decay))
+    adaptive = draft_steps is not None
     table = EpsTable(
-        tuple(batches), tuple(eps), tuple(step_costs) if draft_steps is not None else None
+        tuple(batches),
+        tuple(eps),
+        tuple(step_costs) if adaptive else None,
+        tuple(candidate_costs) if adaptive else None,
     )
     logger.info("ECOSPEC cost model: %s", model_cost.source)
     logger.info(
@@ -211,6 +230,14 @@ def cost_model_eps_table(
             draft_steps,
             ", ".join(
                 f"bs>={b}: {c:.4g}" for b, c in zip(table.batches, table.step_costs, strict=True)
+            ),
+        )
+        logger.info(
+            "ECOSPEC adaptive cost of a request's first candidate, in expert loads, and its "
+            "decay per candidate taken: %s",
+            ", ".join(
+                f"bs>={b}: {c:.4g} x {d:.3g}^k"
+                for b, (c, d) in zip(table.batches, table.candidate_costs, strict=True)
             ),
         )
     return table

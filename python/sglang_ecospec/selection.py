@@ -272,17 +272,21 @@ class EcoSpecSelector:
 
     def options_for(self, batch: int) -> SelectionOptions:
         """The selection options for a batch of ``batch`` requests (its eps, :meth:`eps_for`,
-        and for "adaptive" its step cost)."""
+        and for "adaptive" its step cost and candidate costs)."""
         eps = self.eps_for(batch)
-        step_cost = None
+        step_cost = schedule = None
         if self.options.policy == "adaptive":
             step_cost = self.eps_table.step_cost(batch)
-        key = (eps, step_cost)
+            schedule = self.eps_table.candidate_cost(batch)
+        key = (eps, step_cost, schedule)
         options = self._options_by_eps.get(key)
         if options is None:
             options = self.options.with_eps(eps)
             if step_cost is not None:
-                options = dataclasses.replace(options, step_cost=step_cost)
+                cost, decay = schedule
+                options = dataclasses.replace(
+                    options, step_cost=step_cost, candidate_cost=cost, candidate_decay=decay
+                )
             self._options_by_eps[key] = options
         return options
 

@@ -43,6 +43,10 @@ class SelectionCost:
             bonus token): ``step_tokens=``.
         step_cost: one request's share of the step's time before any candidate, in expert
             loads, step_seconds / (batch x expert_seconds): ``step_cost=``.
+        candidate_cost: what a request's first candidate adds beyond eps, in expert loads:
+            ``candidate_cost=``.
+        candidate_decay: in [0, 1], how much less each later candidate of a request adds
+            (the ratio of the second's to the first's): ``candidate_decay=``.
         token_seconds: seconds one more verified token adds (compute only).
         expert_seconds: seconds of one more expert in one MoE layer (on one rank with EP).
         step_seconds: predicted seconds of the step before any candidate: the draft steps,
@@ -53,6 +57,8 @@ class SelectionCost:
     layer_weights: np.ndarray | None
     step_tokens: float
     step_cost: float
+    candidate_cost: float
+    candidate_decay: float
     token_seconds: float
     expert_seconds: float
     step_seconds: float
@@ -94,6 +100,15 @@ def selection_cost(
     - step_seconds = draft_steps x draft_time(B) + verify_time(B, 1) + reject_time(B) (the
       last only when drafting), and step_cost = step_seconds / (B x expert_seconds): each
       request's share, in expert loads.
+    - candidate_cost, candidate_decay: with uniform routing, every request's k-th candidate
+      adds e_k = (verify_time(B, 2 + k) - verify_time(B, 1 + k)) / (B x expert_seconds):
+      its compute (eps) and the experts that B more tokens add to the pass, which fall
+      geometrically, by (1 - K / E)^B per candidate, as the pass's union fills.
+      candidate_cost = e_0 - eps and candidate_decay = (e_1 - eps) / (e_0 - eps) (1 when
+      ``verify_tokens`` < 3 gives no second candidate). Selection that charges one eps per
+      candidate instead prices a set's first candidates as its last: on the full testbed at
+      batch 16 "adaptive" then verified twice as many candidates as EVICT, which charges
+      the step time per candidate count, and lost to it (docs/RESULTS.md, sweep run 10).
 
     Args:
         perf: the fitted model (``fit_params``) or the analytic prior.
@@ -131,11 +146,22 @@ def selection_cost(
     weights = None
     if layers is not None and layers != moe_layers:
         weights = np.full(layers, moe_layers / layers)
+    eps = max(token_seconds / expert_seconds, EPS_FLOOR)
+    first, second = (
+        max(float(perf.verify_time(batch, 2 + k) - perf.verify_time(batch, 1 + k)), 0.0)
+        / (batch * expert_seconds)
+        - eps
+        for k in range(2)
+    )
+    first = max(first, 0.0)
+    decay = min(max(second / first, 0.0), 1.0) if first > 0 and verify_tokens >= 3 else 1.0
     return SelectionCost(
-        eps=max(token_seconds / expert_seconds, EPS_FLOOR),
+        eps=eps,
         layer_weights=weights,
         step_tokens=1.0,
         step_cost=step_seconds / (batch * expert_seconds),
+        candidate_cost=first,
+        candidate_decay=decay,
         token_seconds=token_seconds,
         expert_seconds=expert_seconds,
         step_seconds=step_seconds,

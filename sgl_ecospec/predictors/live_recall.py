@@ -254,7 +254,9 @@ class LiveRecall:
         layer weighted by its trust (:meth:`layer_weights`, times ``base``) and eps raised by
         the unpredicted cost U (:meth:`unpredicted_cost`). A cold or useless predictor gets
         weight 0 and eps the measured cost of a token: selection by confidence, sized by
-        what tokens really cost.
+        what tokens really cost. Options with a ``candidate_cost`` schedule already price
+        every candidate's experts (the cost model's, falling with the candidates a request
+        has taken), so U is not added to them: only the layers' trust applies.
 
         Args:
             options: the step's selection options.
@@ -269,8 +271,10 @@ class LiveRecall:
             the options (eps raised when ``host_eps``) and DeltaCost's layer weights
             float32 ``[L]``.
         """
-        unpredicted = self.unpredicted_cost(base)
         weights = self.layer_weights(base)
+        if options.candidate_cost > 0:
+            return options, weights
+        unpredicted = self.unpredicted_cost(base)
         if host_eps:
             return options.with_eps(options.eps + float(unpredicted)), weights
         return options, weights * (options.eps / (options.eps + unpredicted))

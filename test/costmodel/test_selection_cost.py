@@ -73,6 +73,25 @@ def test_selection_cost_derivation():
     )
 
 
+@pytest.mark.parametrize("batch", [1, 4, 16, 64])
+def test_candidate_cost_is_the_step_time_of_each_more_candidate(batch):
+    perf = PerformanceModel(QWEN3, H200, TRUTH)
+    cost = selection_cost(perf, batch, 6, draft_steps=3)
+    # A request's k-th candidate adds eps + candidate_cost x decay^k expert loads: the step
+    # time of B more tokens, shared by the B requests, exactly for the first two.
+    for k in range(2):
+        seconds = perf.verify_time(batch, 2 + k) - perf.verify_time(batch, 1 + k)
+        expected = seconds / (batch * cost.expert_seconds)
+        priced = cost.eps + cost.candidate_cost * cost.candidate_decay**k
+        assert priced == pytest.approx(expected, rel=1e-9)
+    # Memory-bound, the experts B more tokens add fall as uniform routing fills the union.
+    if batch < 64:
+        assert cost.candidate_decay == pytest.approx((1 - 8 / 128) ** batch, rel=0.05)
+    assert 0 < cost.candidate_decay <= 1 and cost.candidate_cost > 0
+    # One candidate per request leaves no second one to take the decay from.
+    assert selection_cost(perf, batch, 2).candidate_decay == 1.0
+
+
 def test_selection_cost_ranks_like_seconds():
     # The derivation: P / (DeltaCost + eps) orders nodes as their gain per second,
     # P / (token_seconds + DeltaCost x expert_seconds).

@@ -27,6 +27,28 @@ def test_adaptive_stops_when_the_next_node_lowers_the_rate(impl):
     assert out.tolist() == [[-1, -1, -1]]
 
 
+@pytest.mark.parametrize("share_buffer", [False, True])
+def test_adaptive_prices_each_candidate_by_how_many_its_request_took(impl, share_buffer):
+    # Chains with no predicted experts: a candidate costs eps + candidate_cost x decay^k,
+    # k = candidates its request took. Request 0: 0.6 / 1.001 pays against the start rate
+    # 1 / 2 (tokens 1.6, cost 3.001); its second, 0.5 / 0.501, and third, 0.4 / 0.251, pay
+    # too. A flat cost (decay 1) prices the second at 0.5 / 1.001 < 1.6 / 3.001: it stops.
+    scores = torch.tensor([[0.6, 0.5, 0.4], [0.3, 0.29, 0.28]])
+    parents = torch.tensor([[-1, 0, 1], [-1, 0, 1]])
+    node_experts = torch.zeros(2, 3, 1, 1, dtype=torch.int64)
+    kwargs = dict(policy="adaptive", eps=1e-3, step_cost=2.0, candidate_cost=1.0, impl=impl)
+    falling = select_verify_set(scores, parents, node_experts, 3, candidate_decay=0.5, **kwargs)
+    flat = select_verify_set(scores, parents, node_experts, 3, candidate_decay=1.0, **kwargs)
+    # Request 1's first candidate (0.3 / 1.001) never pays, so its price never falls: a
+    # request that declined is not offered its first candidate again at a later one's price.
+    assert falling.tolist()[1] == flat.tolist()[1] == [-1, -1, -1]
+    if not share_buffer:
+        assert falling.tolist()[0] == [0, 1, 2] and flat.tolist()[0] == [0, -1, -1]
+    kwargs["share_buffer"] = share_buffer
+    out = select_verify_set(scores, parents, node_experts, 3, candidate_decay=0.5, **kwargs)
+    assert out.tolist()[1] == [-1, -1, -1] and out.tolist()[0][0] == 0
+
+
 def test_adaptive_takes_a_prefix_of_ecospec_order(impl):
     # Adaptive only stops early: per request, its set is EcoSpec's set at a smaller budget,
     # and a costlier step (lower starting rate) never takes fewer nodes.

@@ -34,6 +34,9 @@ def test_step_costs_per_bucket_for_the_adaptive_policy():
     for batch, expected in zip(table.batches, table.step_costs, strict=True):
         exact = selection_cost(cost_model.perf, batch, 4, draft_steps=3, layers=48)
         assert expected == pytest.approx(exact.step_cost)
+        assert table.candidate_cost(batch) == pytest.approx(
+            (exact.candidate_cost, exact.candidate_decay)
+        )
     assert table.step_cost(3) == table.step_costs[1]  # bucket 2: the largest key <= 3
     # A request's share of the step falls as the batch grows.
     assert list(table.step_costs) == sorted(table.step_costs, reverse=True)
@@ -41,3 +44,5 @@ def test_step_costs_per_bucket_for_the_adaptive_policy():
     assert plain.step_costs is None and plain.eps == table.eps
     with pytest.raises(ValueError, match="no step costs"):
         plain.step_cost(1)
+    with pytest.raises(ValueError, match="no candidate costs"):
+        plain.candidate_cost(1)

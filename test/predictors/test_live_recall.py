@@ -61,6 +61,23 @@ def test_trust_starts_at_zero_and_scales_with_the_layer_weights():
     assert float(live.unpredicted_cost()) == pytest.approx(novel * (0.8 + 0.0 + 1.0))
 
 
+def test_a_candidate_cost_schedule_replaces_the_unpredicted_cost():
+    from sgl_ecospec.ops.selection import SelectionOptions
+
+    live = LiveRecall(L, E, K)
+    live.novel.fill_(2.0)
+    live.trust.copy_(torch.tensor([0.5, 0.0, 1.0]))
+    flat = SelectionOptions("adaptive", 0.1, step_cost=10.0)
+    options, weights = live.weigh(flat, None, host_eps=True)
+    assert options.eps == pytest.approx(0.1 + 2.0 * (0.5 + 1.0 + 0.0))
+    # The cost model's schedule already prices every candidate's experts: only the trust
+    # applies, on either path.
+    scheduled = SelectionOptions("adaptive", 0.1, step_cost=10.0, candidate_cost=5.0)
+    for host_eps in (True, False):
+        options, weights = live.weigh(scheduled, None, host_eps=host_eps)
+        assert options is scheduled and weights.tolist() == [0.5, 0.0, 1.0]
+
+
 def test_novel_experts_of_the_verified_candidates():
     """n_l, the experts the verified candidates add to their step's roots, per candidate:
     0 when cold; measured on the candidates (0 when they use the roots' experts, K when

@@ -153,6 +153,8 @@ def selection_configs(
             "layer_weights": weights,
             "step_tokens": cost_selected.step_tokens,
             "step_cost": cost_selected.step_cost,
+            "candidate_cost": cost_selected.candidate_cost,
+            "candidate_decay": cost_selected.candidate_decay,
         },
         "evict": {
             **base,
@@ -220,7 +222,16 @@ def expert_exchange(
 
 def selection_record(kwargs: dict) -> dict:
     """The cost-model constants a run selected with (JSON-ready)."""
-    names = ("eps", "step_tokens", "step_cost", "num_ranks", "total_weight", "evict_seconds")
+    names = (
+        "eps",
+        "step_tokens",
+        "step_cost",
+        "candidate_cost",
+        "candidate_decay",
+        "num_ranks",
+        "total_weight",
+        "evict_seconds",
+    )
     record = {k: kwargs[k] for k in names if k in kwargs}
     if "layer_weights" in kwargs:
         record["layer_weight"] = kwargs["layer_weights"][0]

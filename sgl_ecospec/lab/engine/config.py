@@ -42,6 +42,11 @@ class SpecConfig:
             candidate (1: the bonus token).
         step_cost: > 0, "adaptive" (required there): a request's share of the step's cost
             before any candidate, in the units of eps.
+        candidate_cost: >= 0, what a request's first candidate costs beyond DeltaCost + eps,
+            in the units of eps; each later one costs ``candidate_decay`` (in [0, 1]) times
+            the one before (``select_verify_set``; ``costmodel.selection_cost`` derives
+            both). 0: nothing.
+        candidate_decay: see ``candidate_cost``.
         evict_seconds: "evict" (required there, and only there): budget + 1 predicted
             seconds > 0 of a step in which every request verifies its root and k
             candidates, k = 0..budget (``bench.peers.evict_step_seconds``).
@@ -71,6 +76,8 @@ class SpecConfig:
     total_weight: float | None = None
     step_tokens: float = 1.0
     step_cost: float | None = None
+    candidate_cost: float = 0.0
+    candidate_decay: float = 1.0
     evict_seconds: tuple[float, ...] | None = None
     calibrated_acceptance: bool = False
     recall_weighted_cost: bool = False
@@ -98,6 +105,8 @@ class SpecConfig:
                 self.total_weight,
                 self.step_tokens,
                 self.step_cost,
+                self.candidate_cost,
+                self.candidate_decay,
             ),
         )
         if not isinstance(self.recall_weighted_cost, bool):
