@@ -300,6 +300,7 @@ def test_adaptive_sizes_each_step_in_the_fixed_width_verify(
     outputs, _, _, text = serve(spec_args(models, "ECOSPEC"), prompts, logs / "adaptive.log", env)
     assert_lossless(outputs, plain_outputs)
     assert "ECOSPEC adaptive step cost per request" in text
+    assert "ECOSPEC adaptive cost of a request's first candidate" in text
     copies = [
         (int(total), int(differ))
         for total, differ in re.findall(r"slot copies (\d+) \(routed differently (\d+)\)", text)
