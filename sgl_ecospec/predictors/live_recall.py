@@ -4,6 +4,8 @@ per-layer trust that verify-set selection derives from it.
 Shape legend: T = verified rows, L = MoE layers, K = experts per token, E = experts per layer.
 """
 
+import dataclasses
+
 import torch
 
 from sgl_ecospec.ops.bitmaps import bitmap_popcount, topk_to_bitmap
@@ -157,6 +159,15 @@ class LiveRecall:
         configured layer weights, when given): DeltaCost's per-layer weights."""
         return self.trust.clone() if base is None else self.trust * base.to(self.trust)
 
+    def trusted_share(self, base: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 scalar tensor: the layers' mean trust, weighted by ``base`` (float
+        ``[L]``; the configured layer weights) when given: the share of a candidate's
+        experts that DeltaCost prices."""
+        if base is None:
+            return self.trust.mean()
+        base = base.to(self.trust)
+        return (self.trust * base).sum() / base.sum().clamp_min(1e-12)
+
     def unpredicted_cost(self, base: torch.Tensor | None = None) -> torch.Tensor:
         """float32 scalar tensor: the cost a candidate pays beyond its trusted predictions,
         ``sum_l base_l (1 - w_l) n_l`` (``base`` float ``[L]`` or ones), in expert loads like
@@ -256,7 +267,10 @@ class LiveRecall:
         weight 0 and eps the measured cost of a token: selection by confidence, sized by
         what tokens really cost. Options with a ``candidate_cost`` schedule already price
         every candidate's experts (the cost model's, falling with the candidates a request
-        has taken), so U is not added to them: only the layers' trust applies.
+        has taken), so U is not added to them: the trusted layers' experts are priced by
+        DeltaCost, and with ``host_eps`` the schedule keeps only the untrusted share of the
+        layers (:meth:`trusted_share`); graph-safe, the whole schedule stays (a float of
+        the op), which prices trusted experts twice and so verifies less.
 
         Args:
             options: the step's selection options.
@@ -273,7 +287,12 @@ class LiveRecall:
         """
         weights = self.layer_weights(base)
         if options.candidate_cost > 0:
-            return options, weights
+            if not host_eps:
+                return options, weights
+            share = 1.0 - float(self.trusted_share(base))
+            return dataclasses.replace(
+                options, candidate_cost=options.candidate_cost * share
+            ), weights
         unpredicted = self.unpredicted_cost(base)
         if host_eps:
             return options.with_eps(options.eps + float(unpredicted)), weights

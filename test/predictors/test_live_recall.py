@@ -70,12 +70,18 @@ def test_a_candidate_cost_schedule_replaces_the_unpredicted_cost():
     flat = SelectionOptions("adaptive", 0.1, step_cost=10.0)
     options, weights = live.weigh(flat, None, host_eps=True)
     assert options.eps == pytest.approx(0.1 + 2.0 * (0.5 + 1.0 + 0.0))
-    # The cost model's schedule already prices every candidate's experts: only the trust
-    # applies, on either path.
+    # The cost model's schedule already prices every candidate's experts: no U. DeltaCost
+    # prices the trusted share (mean trust 0.5), the schedule the rest.
     scheduled = SelectionOptions("adaptive", 0.1, step_cost=10.0, candidate_cost=5.0)
-    for host_eps in (True, False):
-        options, weights = live.weigh(scheduled, None, host_eps=host_eps)
-        assert options is scheduled and weights.tolist() == [0.5, 0.0, 1.0]
+    options, weights = live.weigh(scheduled, None, host_eps=True)
+    assert options.eps == 0.1 and options.candidate_cost == pytest.approx(2.5)
+    assert weights.tolist() == [0.5, 0.0, 1.0]
+    base = torch.tensor([1.0, 2.0, 1.0])  # trust weighted by layer: (0.5 + 0 + 1) / 4
+    options, _ = live.weigh(scheduled, base, host_eps=True)
+    assert options.candidate_cost == pytest.approx(5.0 * (1 - 1.5 / 4))
+    # Graph-safe (no sync), the whole schedule stays.
+    options, weights = live.weigh(scheduled, None, host_eps=False)
+    assert options is scheduled and weights.tolist() == [0.5, 0.0, 1.0]
 
 
 def test_novel_experts_of_the_verified_candidates():
