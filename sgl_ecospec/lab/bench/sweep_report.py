@@ -30,7 +30,9 @@ METHOD = {
         "at 1/R of the group's bandwidth"
     ),
     "selection": (
-        "eps (and adaptive's step_cost) from costmodel.selection_cost of the primary profile "
+        "eps (and adaptive's step_cost, candidate_cost and candidate_decay: a request's k-th "
+        "candidate costs candidate_cost x decay^k beyond DeltaCost + eps) from "
+        "costmodel.selection_cost of the primary profile "
         "at each batch size; adaptive and evict run once per EP size and select with that EP "
         "group's cost (selection_cost(ep_size=R) on R x the hardware, as the server's eps "
         "table under EP; evict's step seconds on that hardware), and each EP size is priced "
@@ -40,7 +42,8 @@ METHOD = {
         "effective-token scaling, the pricing's own exchange rate there); with "
         "--recall-weighted-cost the expert-aware policies trust predictions by the "
         "slope of true on predicted new experts and price the rest by the new experts "
-        "verified candidates really brought (LiveRecall)"
+        "verified candidates really brought (LiveRecall; adaptive: by the untrusted share of "
+        "its candidate costs)"
     ),
     "adaptive_gate": (
         "per (batch size, profile, EP size): speculate only where the adaptive run at that "
