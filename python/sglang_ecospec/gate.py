@@ -256,6 +256,10 @@ class GatePolicy:
 
     def _changed(self, bucket: int, state: BucketState) -> None:
         logger.info(describe(bucket, state))
+        # The gauges follow each change at once, not only on the next decode log tick, so a
+        # scrape never shows a state the log has already left.
+        if self.metrics is not None:
+            self.metrics.record(bucket, state)
 
 
 def skip_draft_prefill(worker, policy: GatePolicy) -> None:

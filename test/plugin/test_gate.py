@@ -94,6 +94,10 @@ def test_metrics_per_bucket():
     assert value("sglang:ecospec_gate_open", "1") == 0.0
     assert value("sglang:ecospec_gate_open", "3-4") == 1.0
     assert value("sglang:ecospec_gate_utility", "1") == pytest.approx(0.5)
+    # Once exported, a bucket's change reaches its gauge at once, before the next export.
+    run_steps(policy, 120, 3, 0.3, 0.1, accepted=0.2)  # speculation now loses at 3-4
+    assert not policy.gate.is_open(3)
+    assert value("sglang:ecospec_gate_open", "3-4") == 0.0
 
 
 @pytest.mark.parametrize(
