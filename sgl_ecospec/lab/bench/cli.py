@@ -130,7 +130,7 @@ def speculative_run(cfg, engine, budget, policy, groups_by_name, prompts, greedy
     check = OutputCheck(engine, cfg.check_lossless, f"policy {policy}, budget {budget}")
     progress.verify_steps = 0
     for name, groups in groups_by_name.items():
-        progress.bar.set_description(f"{policy} budget {budget} {name}")
+        progress.describe(f"{policy} budget {budget} {name}")
         ds_steps, index = [], 0
         ds_check = OutputCheck(engine, cfg.check_lossless, check.label)
         for group in groups:
@@ -148,7 +148,7 @@ def speculative_run(cfg, engine, budget, policy, groups_by_name, prompts, greedy
             ds_steps += result.steps
             if result.predictor_recall is not None:
                 engine_recalls.append((result.predictor_recall, len(result.steps)))
-            progress.bar.update()
+            progress.advance()
         per_dataset[name] = {
             **metrics.summarize(ds_steps),
             **metrics.predicted_acceptance(ds_steps),
@@ -283,7 +283,7 @@ def run_bench(cfg: BenchConfig, engine, prompts: dict, *, out=None) -> dict:
         if cfg.pareto:
             rep["pareto"] = pareto.collect(cfg, rep, extra)
     finally:
-        progress.bar.close()
+        progress.close()
     per_dataset_table = report.format_dataset_table(rep)
     if per_dataset_table:
         print("\n" + per_dataset_table, file=out)

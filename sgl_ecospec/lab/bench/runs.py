@@ -115,34 +115,69 @@ def load_run_predictor(cfg, engine):
 
 
 class Progress:
-    """The tqdm bar on stderr (shown on a terminal only), counting batches; its postfix
-    counts the verify steps of the current run."""
+    """Progress on stderr, counting batches; the current run's verify steps beside them.
 
-    def __init__(self, total: int):
+    On a terminal a tqdm bar. Elsewhere (a log file, a CI job) the bar is off, so a line
+    goes out at most every ``interval`` seconds, on a finished batch or a verify step, and
+    one when the last batch ends: a run of one large batch otherwise says nothing for many
+    minutes.
+    """
+
+    def __init__(self, total: int, *, interval: float = 60.0):
         from tqdm import tqdm
 
         self.bar = tqdm(total=total, unit="batch", file=sys.stderr, disable=None)
         self.verify_steps = 0
+        self.total, self.done, self.label = total, 0, ""
+        self.interval = interval
+        self.started = self.logged = time.perf_counter()
+
+    def describe(self, label: str) -> None:
+        """Names the run now decoding."""
+        self.label = label
+        self.bar.set_description(label)
+
+    def advance(self, batches: int = 1) -> None:
+        """Counts ``batches`` more finished batches."""
+        self.done += batches
+        self.bar.update(batches)
+        self._log(final=self.done >= self.total)
 
     def on_step(self, step) -> None:
         self.verify_steps += 1
         self.bar.set_postfix(verify_steps=self.verify_steps, refresh=False)
+        self._log()
 
     def write(self, text: str, file) -> None:
         self.bar.write(text, file=file)
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def _log(self, final: bool = False) -> None:
+        now = time.perf_counter()
+        if not self.bar.disable or not (final or now - self.logged >= self.interval):
+            return
+        self.logged = now
+        print(
+            f"progress: {self.done}/{self.total} batches, {self.label}: "
+            f"{self.verify_steps} verify steps, {now - self.started:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def run_greedy(engine, groups_by_name: dict, limit: int, progress: Progress):
     """Greedy outputs per name (cut at ``limit``), all greedy steps, wall seconds."""
     outputs, steps, started = {}, [], time.perf_counter()
     for name, groups in groups_by_name.items():
-        progress.bar.set_description(f"greedy {name}")
+        progress.describe(f"greedy {name}")
         outputs[name] = []
         for group in groups:
             result = engine.generate_greedy(group, limit)
             outputs[name] += [o[:limit] for o in result.outputs]
             steps += result.steps
-            progress.bar.update()
+            progress.advance()
     return outputs, steps, time.perf_counter() - started
 
 

@@ -96,7 +96,7 @@ def speculative_run(
     steps, index = [], 0
     check = OutputCheck(engine, cfg.check_lossless, label)
     progress.verify_steps = 0
-    progress.bar.set_description(label)
+    progress.describe(label)
     for group in groups:
         result = engine.generate_speculative(
             group,
@@ -111,7 +111,7 @@ def speculative_run(
             check.compare(prompts[index], ids, greedy[index], list(got[:limit]))
             index += 1
         steps += result.steps
-        progress.bar.update()
+        progress.advance()
     summary = metrics.summarize(steps)
     verified = sum(s.verified_tokens for s in steps) / sum(s.batch_size for s in steps)
     return steps, {
@@ -246,14 +246,14 @@ def run_batch(cfg: SweepConfig, engine, batch: int, groups, prompts, perfs, prog
         entry["selection"] = selection_record(selected[policy])
         if gate is not None and not any(gate.values()):
             entry["ran"] = False
-            progress.bar.update(len(groups))
+            progress.advance(len(groups))
             progress.write(f"batch {batch:3d} {run_label(entry):<12} not run: gate closed", out)
             return entry, None
         if policy == "cascade":  # where open, cascade decodes exactly as confidence does
             confidence, spec_steps = decoded["confidence"]
             entry.update({k: v for k, v in confidence.items() if k not in entry})
             entry["same_run_as"] = "confidence"
-            progress.bar.update(len(groups))
+            progress.advance(len(groups))
             progress.write(run_line(entry), out)
             return entry, spec_steps
         label = f"batch {batch} {run_label(entry)}"
@@ -360,6 +360,6 @@ def run_sweep(cfg: SweepConfig, engine, prompts: list, *, out=None) -> dict:
                     for (p, r), row in rows[policy].items()
                 ]
     finally:
-        progress.bar.close()
+        progress.close()
     rep["checks"] = checks(rep)
     return rep
