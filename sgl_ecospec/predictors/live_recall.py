@@ -164,8 +164,8 @@ class LiveRecall:
         slope = covariance / (spread * (1.0 + 1.0 / count) + 1e-6)
         # Residual sum of squares of the unshrunk fit; with fewer than 3 candidates'
         # weight any residual leaves the slope unknown (an infinite standard error).
-        residual = syy - sy * sy / count - covariance * covariance / (spread + 1e-6)
-        variance = residual.clamp_min(0.0) / (count - 2.0).clamp_min(1e-6) / (spread + 1e-6)
+        residual = (syy - sy * sy / count - covariance * covariance / (spread + 1e-6)).clamp_min(0.0)
+        variance = residual / (count - 2.0).clamp_min(1e-6) / (spread + 1e-6)
         lower = slope - TRUST_LOWER_BOUND_Z * variance.sqrt()
         torch.clamp(lower, 0.0, 1.0, out=self.trust)
 
