@@ -131,8 +131,8 @@ def buffer_bytes(
         + (layers * experts * _I64 if ep_placement else 0)  # ExpertPlacement.expert_rank
         # selector.root_context, verify_context; served_predictor.RootContext.tokens
         + ((2 * max_batch + rows) * _I64 if context else 0)
-        # LiveRecall novel, trust, cost_fit (6 rows), hits, rows, novel_steps
-        + (layers * (8 * _F32 + _F64) + _F64 + _F32 if live_recall else 0)
+        # LiveRecall novel, trust, cost_fit (5 rows), hits, rows, novel_steps
+        + (layers * (7 * _F32 + _F64) + _F64 + _F32 if live_recall else 0)
     )
 
 

@@ -13,11 +13,6 @@ from sgl_ecospec.ops.checks import check_int
 from sgl_ecospec.ops.selection import SelectionOptions
 from sgl_ecospec.ops.selection_reference import rank_loads
 
-# Standard errors the trust's slope is lowered by (update_cost_fit). The decayed candidate
-# count it divides by is below the sums' effective sample size, so this errs towards less
-# trust.
-TRUST_LOWER_BOUND_Z = 2.0
-
 
 class LiveRecall:
     """Per-layer top-K recall of a predictor on the rows the target verified (cumulative
@@ -75,9 +70,9 @@ class LiveRecall:
         self.novel = torch.zeros(num_layers, dtype=torch.float32, device=device)
         self.novel_steps = torch.zeros((), dtype=torch.float32, device=device)
         self.hits = torch.zeros(num_layers, dtype=torch.float64, device=device)  # [L]
-        # update_cost_fit's decayed sums per layer of 1, x, y, x^2, x y and y^2 [6, L] over
-        # the verified candidates, and the trust w_l
-        self.cost_fit = torch.zeros(6, num_layers, dtype=torch.float32, device=device)
+        # update_cost_fit's decayed sums per layer of 1, x, y, x^2 and x y [5, L] over the
+        # verified candidates, and the trust w_l
+        self.cost_fit = torch.zeros(5, num_layers, dtype=torch.float32, device=device)
         self.trust = torch.zeros_like(self.novel)
         self.rows = torch.zeros((), dtype=torch.float64, device=device)
 
@@ -134,12 +129,8 @@ class LiveRecall:
         verify, which "adaptive" sizes by): centred within each request instead, a step of
         batch 1 with one verified candidate, the common case there, is no evidence, and even
         exact predictions stayed barely trusted (docs/RESULTS.md, sweep run 8). Sums decay
-        by ``rate`` per step; the slope is shrunk towards 0 while they are few, lowered by
-        ``TRUST_LOWER_BOUND_Z`` of its standard errors (the residuals' spread about the fit
-        over the spread of x), and clamped to [0, 1]: a slope the evidence cannot tell from
-        0 is no trust (a predictor of recall 0.47 fits 0.01-0.30 per layer, and selection
-        trusting those fits traded acceptance for experts it did not save), while exact
-        predictions leave no residual and keep their whole slope. No host sync.
+        by ``rate`` per step; the slope is shrunk towards 0 while they are few, and clamped
+        to [0, 1]. No host sync.
 
         Args:
             predicted: int ``[B, R, L, K]``: the predictions of the verify rows, root first
@@ -152,22 +143,16 @@ class LiveRecall:
             weight = valid.to(weight.device, torch.float32)
         w = weight[:, 1:, None]  # [B, R - 1, 1]
         x, y = (_new_experts(ids, weight, self.num_experts) for ids in (predicted, routing))
-        terms = torch.stack([w.expand_as(x), x, y, x * x, x * y, y * y]) * w  # [6, B, R - 1, L]
+        terms = torch.stack([w.expand_as(x), x, y, x * x, x * y]) * w  # [5, B, R - 1, L]
         self.cost_fit.mul_(1.0 - self.rate).add_(terms.sum((1, 2)))
-        count, sx, sy, sxx, sxy, syy = self.cost_fit
+        count, sx, sy, sxx, sxy = self.cost_fit
         count = count.clamp_min(1e-6)
         spread = (sxx - sx * sx / count).clamp_min(0.0)
-        covariance = sxy - sx * sy / count
         # A prior of no trust worth one candidate's spread (spread / count), so that a few
         # candidates do not swing it; in the spread's own units, since a layer whose
         # candidates bring one new expert or none varies far less than one that brings K.
-        slope = covariance / (spread * (1.0 + 1.0 / count) + 1e-6)
-        # Residual sum of squares of the unshrunk fit; with fewer than 3 candidates'
-        # weight any residual leaves the slope unknown (an infinite standard error).
-        residual = (syy - sy * sy / count - covariance * covariance / (spread + 1e-6)).clamp_min(0.0)
-        variance = residual / (count - 2.0).clamp_min(1e-6) / (spread + 1e-6)
-        lower = slope - TRUST_LOWER_BOUND_Z * variance.sqrt()
-        torch.clamp(lower, 0.0, 1.0, out=self.trust)
+        slope = (sxy - sx * sy / count) / (spread * (1.0 + 1.0 / count) + 1e-6)
+        torch.clamp(slope, 0.0, 1.0, out=self.trust)
 
     def layer_weights(self, base: torch.Tensor | None = None) -> torch.Tensor:
         """float32 ``[L]``: each layer's trust ``w_l`` in [0, 1] (times ``base`` ``[L]``, the

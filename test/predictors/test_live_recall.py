@@ -252,35 +252,3 @@ def test_trust_reads_how_many_new_experts_a_step_brings():
         wrong.update_cost_fit(torch.cat([roots, candidate(guess)], 1), routing)
     assert float(exact.trust.min()) > 0.85  # shrunk by the prior: one candidate a step
     assert float(wrong.trust.max()) < 0.3
-
-
-def test_trust_is_a_lower_bound_on_the_slope():
-    """A predictor whose new-expert counts are right 40% of the time and random otherwise
-    (slope 0.4) is hardly trusted on the evidence of one candidate a step (its slope can
-    barely be told from 0 there), but is on 32 candidates a step, a little under its slope; exact
-    predictions keep their whole slope on either (no residual)."""
-    gen = torch.Generator().manual_seed(2)
-    roots = torch.arange(K).expand(1, 1, L, K)
-
-    def candidates(news, batch):
-        rows = [torch.cat([torch.arange(n) + K, torch.arange(K - n)]) for n in news.tolist()]
-        cands = torch.stack(rows).view(batch, -1, 1, K).expand(-1, -1, L, K)
-        return torch.cat([roots.expand(batch, 1, L, K), cands], 1)
-
-    for batch, rows in ((1, 1), (8, 4)):
-        exact, partly = LiveRecall(L, E, K), LiveRecall(L, E, K)
-        for _ in range(200):
-            new = torch.randint(K + 1, (batch * rows,), generator=gen)
-            guess = torch.where(
-                torch.rand(batch * rows, generator=gen) < 0.4,
-                new,
-                torch.randint(K + 1, (batch * rows,), generator=gen),
-            )
-            routing = candidates(new, batch)
-            exact.update_cost_fit(routing, routing)
-            partly.update_cost_fit(candidates(guess, batch), routing)
-        assert float(exact.trust.min()) > 0.9
-        if rows == 1:
-            assert float(partly.trust.max()) < 0.1
-        else:
-            assert 0.2 < float(partly.trust.min()) and float(partly.trust.max()) < 0.4
