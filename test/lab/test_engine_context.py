@@ -5,9 +5,13 @@ import pytest
 import torch
 from _models import EXPERTS, LAYERS, TOP_K, VOCAB, random_prompts, tiny_engine
 
-from sgl_ecospec.lab.bench.predictor_replay import StepRecorder, replay
+from sgl_ecospec.lab.bench.predictor_replay import StepRecorder, memory_bytes, replay
 from sgl_ecospec.lab.engine import SpecConfig
-from sgl_ecospec.predictors import ContextExpertPredictor, OnlineExpertPredictor
+from sgl_ecospec.predictors import (
+    ContextExpertPredictor,
+    LowRankExpertHead,
+    OnlineExpertPredictor,
+)
 
 MAX_NEW = 24
 
@@ -64,6 +68,9 @@ def test_each_verified_row_gets_its_parent_token(engine, greedy):
         position = later[0]
         # A candidate's parent is the root or another verified row of the step.
         assert all(c in tokens for c in context[1:])
+        # Each row keeps the drafter state that proposed it.
+        assert step["hidden"].dtype == torch.float16
+        assert step["hidden"].shape == (len(tokens), engine.draft.config.hidden_size)
     # The replay of the recorded stream gives every predictor kind its online recall.
     for predictor in (
         OnlineExpertPredictor(LAYERS, EXPERTS, TOP_K),
@@ -72,3 +79,18 @@ def test_each_verified_row_gets_its_parent_token(engine, greedy):
         result = replay(predictor, recorder.steps)
         assert result["rows"] == sum(s["tokens"].shape[0] for s in recorder.steps)
         assert 0.0 < result["recall"] < 1.0 and len(result["recall_per_layer"]) == LAYERS
+
+
+def test_replay_trains_a_head_online_on_the_recorded_states(engine):
+    recorder = StepRecorder(OnlineExpertPredictor(LAYERS, EXPERTS, TOP_K))
+    spec = SpecConfig(topk=4, num_steps=3, budget=4, policy="confidence")
+    engine.generate_speculative(PROMPTS[:1], MAX_NEW, spec, recorder)
+    hidden_size = engine.draft.config.hidden_size
+    torch.manual_seed(0)
+    head = LowRankExpertHead(hidden_size, LAYERS, EXPERTS, TOP_K, rank=8, token_buckets=16, lr=1e-2)
+    before = head.up.weight.detach().clone()
+    result = replay(head, recorder.steps)
+    assert 0.0 < result["recall"] <= 1.0
+    assert not torch.equal(before, head.up.weight), "the head learnt from the verify routing"
+    params = hidden_size * 8 + 16 * 8 + 8 * LAYERS * EXPERTS + LAYERS * EXPERTS
+    assert memory_bytes(head) == 4 * params

@@ -4,14 +4,16 @@ recorded verify routing, without decoding again for each predictor.
 1. Record (once; the stream file is reused when it exists): the offline engine decodes the
    prompts speculatively with confidence selection, whose verify sets do not depend on any
    predictor, and keeps every verify step's rows: token, parent token (the draft tree's
-   parent; for the root, the last verified token before it) and the target's routing.
+   parent; for the root, the last verified token before it), the drafter state that
+   proposed the row (float16) and the target's routing.
 2. Replay: each predictor, cold, predicts a step's rows, is scored on them, then observes
    them, step after step in the recorded order: its online top-K recall over the run, the
    measure ``bench`` reports (overall and per layer).
 3. Time: ``predict_topk`` over B = 16 requests x (1 + 36) rows (the default tree's root and
    candidates) drawn from the stream, with the tables the replay left; median of repeats.
 
-Shape legend: T = rows of a step, L = MoE layers, K = experts per token.
+Shape legend: T = rows of a step, L = MoE layers, K = experts per token, H = the drafter's
+hidden size.
 """
 
 import argparse
@@ -33,6 +35,7 @@ from sgl_ecospec.predictors import (
     AdjacentExpertPredictor,
     ContextExpertPredictor,
     ExpertPredictor,
+    LowRankExpertHead,
     OnlineExpertPredictor,
 )
 
@@ -54,8 +57,14 @@ def _adjacent(vocab, **kw):
     return lambda L, E, K: AdjacentExpertPredictor(L, E, K, vocab_size=vocab, **kw)
 
 
-def variants(vocab_size: int) -> dict:
-    """Predictor name -> factory(L, E, K) of every predictor the command measures."""
+def _head(hidden_size, **kw):
+    return lambda L, E, K: LowRankExpertHead(hidden_size, L, E, K, **kw)
+
+
+def variants(vocab_size: int, hidden_size: int | None = None) -> dict:
+    """Predictor name -> factory(L, E, K) of every predictor the command measures; the heads
+    on the drafter state (trained online from cold, one Adam step per verify step) only
+    with ``hidden_size`` (a stream that recorded the states)."""
     pairs = {f"context-pairs{n // 1024}k": n for n in (16384, 65536, 262144)}
     table = {
         "online-4096": lambda L, E, K: OnlineExpertPredictor(L, E, K, num_buckets=4096),
@@ -77,14 +86,21 @@ def variants(vocab_size: int) -> dict:
         )
     table["adjacent-vocab-r0.5"] = _adjacent(vocab_size)
     table["adjacent-hashed4096-r0.5"] = _adjacent(None, token_buckets=4096)
+    if hidden_size is not None:
+        for lr in (1e-3, 1e-2):
+            table[f"head-online-r64-lr{lr:g}"] = _head(hidden_size, rank=64, lr=lr)
+        table["head-online-r64-vocab"] = _head(hidden_size, rank=64, token_buckets=vocab_size)
+        table["head-online-r64-state-only"] = _head(hidden_size, rank=64, token_buckets=0)
     return table
 
 
 class StepRecorder(ExpertPredictor):
     """Predicts with ``inner`` and keeps, on the CPU, each ``observe`` call's rows: tokens
-    ``[T]``, parent tokens ``[T]`` and routing ``[T, L, K]``."""
+    ``[T]``, parent tokens ``[T]``, drafter states float16 ``[T, H]`` and routing
+    ``[T, L, K]``."""
 
     needs_context = True
+    needs_hidden = True
 
     def __init__(self, inner: ExpertPredictor):
         super().__init__(inner.num_layers, inner.num_experts, inner.top_k)
@@ -95,12 +111,16 @@ class StepRecorder(ExpertPredictor):
         return self.inner.predict_topk(token_ids, None, validate=validate)
 
     def observe(self, token_ids, topk_ids, hidden=None, *, validate=True, context_tokens=None):
-        if context_tokens is None:
-            raise ValueError("StepRecorder records parent tokens: pass context_tokens [T]")
+        if context_tokens is None or hidden is None:
+            raise ValueError(
+                "StepRecorder records parent tokens and drafter states: pass context_tokens "
+                "[T] and hidden [T, H]"
+            )
         self.steps.append(
             {
                 "tokens": token_ids.detach().long().cpu(),
                 "context": context_tokens.detach().long().cpu(),
+                "hidden": hidden.detach().to(torch.float16).cpu(),
                 "routing": topk_ids.detach().to(torch.int16).cpu(),
             }
         )
@@ -132,6 +152,7 @@ def record(cfg: BenchConfig, engine, prompts: dict) -> dict:
         "config": {**cfg.to_dict(), "num_prompts": {n: len(p) for n, p in prompts.items()}},
         "shape": {"num_layers": shape[0], "num_experts": shape[1], "top_k": shape[2]},
         "vocab_size": engine.target.config.vocab_size,
+        "hidden_size": engine.draft.config.hidden_size,
         "steps": recorder.steps,
     }
 
@@ -143,22 +164,28 @@ def load_stream(path: str) -> dict:
     return stream
 
 
+def _inputs(predictor: ExpertPredictor, step: dict) -> tuple:
+    """(hidden or None, keyword arguments) of ``predictor``'s calls on a recorded step."""
+    context = {"context_tokens": step["context"]} if predictor.needs_context else {}
+    return (step["hidden"].float() if predictor.needs_hidden else None), context
+
+
 def replay(predictor: ExpertPredictor, steps: list[dict]) -> dict:
     """Online recall of ``predictor`` over ``steps`` (predict, score, then observe each):
     ``recall`` and ``recall_per_layer`` over every row, and ``rows``."""
     hits = torch.zeros(predictor.num_layers, dtype=torch.float64)
     rows = 0
     for step in steps:
-        context = {"context_tokens": step["context"]} if predictor.needs_context else {}
+        hidden, context = _inputs(predictor, step)
         routing = step["routing"].long()
-        pred = predictor.predict_topk(step["tokens"], None, **context)
+        pred = predictor.predict_topk(step["tokens"], hidden, **context)
         found = bitmap_popcount(
             topk_to_bitmap(pred, predictor.num_experts)
             & topk_to_bitmap(routing, predictor.num_experts)
         )
         hits += found.double().sum(0) / predictor.top_k
         rows += routing.shape[0]
-        predictor.observe(step["tokens"], routing, validate=False, **context)
+        predictor.observe(step["tokens"], routing, hidden, validate=False, **context)
     per_layer = (hits / max(rows, 1)).tolist()
     return {"recall": sum(per_layer) / len(per_layer), "recall_per_layer": per_layer, "rows": rows}
 
@@ -166,26 +193,28 @@ def replay(predictor: ExpertPredictor, steps: list[dict]) -> dict:
 def predict_ms(predictor: ExpertPredictor, steps: list[dict], repeats: int = 50) -> float:
     """Median milliseconds of one ``predict_topk`` over 16 x 37 rows drawn from ``steps``."""
     tokens = torch.cat([s["tokens"] for s in steps])
-    context = torch.cat([s["context"] for s in steps])
     pick = torch.randint(
         0, tokens.shape[0], (TIMED_BATCH * TIMED_ROWS,), generator=torch.Generator().manual_seed(0)
     )
-    extra = {"context_tokens": context[pick]} if predictor.needs_context else {}
+    hidden, extra = _inputs(
+        predictor, {key: torch.cat([s[key] for s in steps])[pick] for key in steps[0]}
+    )
     times = []
     for _ in range(repeats + 5):
         started = time.perf_counter()
-        predictor.predict_topk(tokens[pick], None, **extra)
+        predictor.predict_topk(tokens[pick], hidden, **extra)
         times.append(time.perf_counter() - started)
     return 1e3 * statistics.median(times[5:])
 
 
 def memory_bytes(predictor: ExpertPredictor) -> int:
-    """Bytes of the predictor's tables (every tensor attribute)."""
-    return sum(
-        v.numel() * v.element_size()
-        for v in vars(predictor).values()
-        if isinstance(v, torch.Tensor)
-    )
+    """Bytes of the predictor's tables (every tensor attribute) or, for a module (a head),
+    its parameters and buffers (its optimiser's state not counted)."""
+    if isinstance(predictor, torch.nn.Module):
+        tensors = [*predictor.parameters(), *predictor.buffers()]
+    else:
+        tensors = [v for v in vars(predictor).values() if isinstance(v, torch.Tensor)]
+    return sum(v.numel() * v.element_size() for v in tensors)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -235,9 +264,15 @@ def run(args: argparse.Namespace) -> int:
         torch.save(record(cfg, open_engine(cfg, "predictor replay"), prompts), args.stream)
     stream = load_stream(args.stream)
     shape = stream["shape"]
-    table = variants(stream["vocab_size"])
+    table = variants(stream["vocab_size"], stream.get("hidden_size"))
     names = list(table) if not args.variants else [n.strip() for n in args.variants.split(",")]
     unknown = [n for n in names if n not in table]
+    heads = [n for n in unknown if n.startswith("head-")]
+    if heads and stream.get("hidden_size") is None:
+        raise ValueError(
+            f"{args.stream!r} was recorded without the drafter states the heads read: delete it "
+            "(or pass another --stream) to record it again"
+        )
     if unknown:
         raise ValueError(f"unknown --variants {unknown}; valid: {', '.join(table)}")
     results = {}
