@@ -4,6 +4,7 @@
   expert, roofline transition G, acceptance factor, speedup, target efficiency).
 - ``profiles``: model and hardware numbers.
 - ``performance``: the ten-parameter step-time model, its fit, and a roofline prior.
+- ``expert_parallel``: the verify pass under expert parallelism, paced by the busiest rank.
 - ``calibration``: the model fitted to forwards timed on the running device, and its
   profile file (``sgl-ecospec calibrate``).
 - ``selection_cost``: EcoSpec's eps, layer weights and adaptive account from that model,

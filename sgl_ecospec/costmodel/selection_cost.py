@@ -22,6 +22,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from sgl_ecospec.costmodel import formulas
+from sgl_ecospec.costmodel.expert_parallel import uniform_ep_verify_time
 from sgl_ecospec.costmodel.performance import PerformanceModel
 
 # Below the roofline knee the fitted compute terms barely grow with tokens (G = s^t with s
@@ -97,11 +98,15 @@ def selection_cost(
     - layer_weights: the fitted model has one k2 for every MoE layer, so all layers weigh
       the same; when the bitmaps cover only ``layers`` of the moe_layers (a predictor on a
       subset), each stands for moe_layers / layers of them.
-    - step_seconds = draft_steps x draft_time(B) + verify_time(B, 1) + reject_time(B) (the
-      last only when drafting), and step_cost = step_seconds / (B x expert_seconds): each
-      request's share, in expert loads.
+    - step_seconds = draft_steps x draft_time(B) + V(B, 1) + reject_time(B) (the last
+      only when drafting), and step_cost = step_seconds / (B x expert_seconds): each
+      request's share, in expert loads. V is the verify pass with uniform routing under
+      EP (``expert_parallel.uniform_ep_verify_time``; ``verify_time`` at ep_size 1): its
+      experts load at the busiest rank's pace, about 2.5 x 8 instead of 8 for one token
+      of Qwen3-235B at EP 8, so the union's k2 N alone would price the roots' share too
+      low and make "adaptive" decline candidates that pay (docs/RESULTS.md, run 11).
     - candidate_cost, candidate_decay: with uniform routing, every request's k-th candidate
-      adds e_k = (verify_time(B, 2 + k) - verify_time(B, 1 + k)) / (B x expert_seconds):
+      adds e_k = (V(B, 2 + k) - V(B, 1 + k)) / (B x expert_seconds):
       its compute (eps) and the experts that B more tokens add to the pass, which fall
       geometrically, by (1 - K / E)^B per candidate, as the pass's union fills.
       candidate_cost = e_0 - eps and candidate_decay = (e_1 - eps) / (e_0 - eps) (1 when
@@ -140,7 +145,11 @@ def selection_cost(
     if not expert_seconds > 0:
         raise ValueError("the model's k2 (seconds per expert) is 0: eps has no unit")
     token_seconds = float(perf.token_time(batch * verify_tokens, unique_experts))
-    step_seconds = float(perf.verify_time(batch, 1))
+
+    def verify(gamma: int) -> float:
+        return float(uniform_ep_verify_time(perf, batch, gamma, ep_size))
+
+    step_seconds = verify(1)
     if draft_steps:
         step_seconds += draft_steps * float(perf.draft_time(batch)) + float(perf.reject_time(batch))
     weights = None
@@ -148,10 +157,7 @@ def selection_cost(
         weights = np.full(layers, moe_layers / layers)
     eps = max(token_seconds / expert_seconds, EPS_FLOOR)
     first, second = (
-        max(float(perf.verify_time(batch, 2 + k) - perf.verify_time(batch, 1 + k)), 0.0)
-        / (batch * expert_seconds)
-        - eps
-        for k in range(2)
+        max(verify(2 + k) - verify(1 + k), 0.0) / (batch * expert_seconds) - eps for k in range(2)
     )
     first = max(first, 0.0)
     decay = min(max(second / first, 0.0), 1.0) if first > 0 and verify_tokens >= 3 else 1.0

@@ -10,6 +10,7 @@ import torch
 from _selection import assert_valid_selection, random_tree
 
 from sgl_ecospec import select_verify_set
+from sgl_ecospec.costmodel.expert_parallel import uniform_ep_verify_time
 from sgl_ecospec.lab.bench import cli as bench_cli
 from sgl_ecospec.lab.bench import pareto, peers, sweep, sweep_run
 from sgl_ecospec.lab.bench.runs import performance_model
@@ -121,6 +122,15 @@ def test_evict_step_seconds_depend_on_tokens_only():
     assert spec.evict_seconds == seconds and spec.selection_options.policy == "confidence"
     assert peers.spec_fields("cascade", perf, 4, 3, 3) == {"policy": "confidence"}
     assert peers.spec_fields("ecospec", perf, 4, 3, 3) == {"policy": "ecospec"}
+    # Under EP the profiled step is the EP deployment's: its experts load at the busiest
+    # rank's pace, so every k costs more than the union alone says.
+    perf8 = performance_model("qwen3-235b-a22b", "8xh200")
+    at8 = peers.evict_step_seconds(perf8, 4, 3, 3, ep_size=8)
+    fixed8 = 3 * perf8.draft_time(4) + perf8.reject_time(4)
+    for k, s in enumerate(at8):
+        assert s == pytest.approx(fixed8 + uniform_ep_verify_time(perf8, 4, 1 + k, 8))
+        assert s > fixed8 + perf8.verify_time(4, 1 + k)
+    assert peers.spec_fields("evict", perf8, 4, 3, 3, 8)["evict_seconds"] == at8
 
 
 def test_spec_config_checks_evict_seconds():

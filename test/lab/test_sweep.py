@@ -108,7 +108,7 @@ def test_selection_configs_follow_the_cost_model():
     # ... and the placement, as the plugin under EP: DeltaCost counts the busiest rank's rise.
     assert at4["adaptive"]["expert_rank"] == ep["expert_rank"]
     assert at4["adaptive"]["num_ranks"] == 4 and "expert_rank" not in adaptive
-    assert at4["evict"]["evict_seconds"] == peers.evict_step_seconds(perf4, 32, 4, 3)
+    assert at4["evict"]["evict_seconds"] == peers.evict_step_seconds(perf4, 32, 4, 3, 4)
     assert at4["evict"]["evict_seconds"] != configs["evict"]["evict_seconds"]
     for policy in ("confidence", "ecospec", "ecospec-ep", "cascade"):
         assert at4[policy] == configs[policy]

@@ -40,18 +40,6 @@ def test_scale_busiest_rank_identities():
         ep_cost.scale_busiest_rank(1.0, 8.0, 10.0, ep_size=4, num_experts=128)
 
 
-def test_pass_seconds_prices_the_busiest_rank():
-    perf = performance_model("qwen3-235b-a22b", "8xh200")
-    tokens, unique = np.array([8.0, 40.0]), np.array([40.0, 90.0])
-    plain = perf.verify_time(1, tokens, unique)
-    np.testing.assert_allclose(ep_cost.pass_seconds(perf, tokens, unique, unique, 1), plain)
-    # A perfectly balanced layer costs what the plain model says.
-    np.testing.assert_allclose(ep_cost.pass_seconds(perf, tokens, unique, unique / 8, 8), plain)
-    # Each expert the busiest rank holds above its even share costs R x k2.
-    skewed = ep_cost.pass_seconds(perf, tokens, unique, unique / 8 + 2, 8)
-    np.testing.assert_allclose(skewed - plain, 2 * 8 * perf.params.k2)
-
-
 def test_busiest_rank_experts_from_bitmaps():
     assert ep_cost.contiguous_expert_rank(8, 4).tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
     steps = [

@@ -2,15 +2,10 @@
 
 A step's verify pass is priced by the MoESD model (``costmodel.performance``), whose expert
 term is k2 x N: N distinct experts per layer, streamed at the bandwidth of the whole
-hardware profile. Under EP R each rank holds E / R whole experts and streams only its own,
-at 1 / R of the group's bandwidth, and every layer waits for its busiest rank. With the
-profile being the whole EP group ("8xh200" for EP 8, as ``fit_params`` assumes), the term
-becomes k2 x R x b, b the busiest rank's distinct experts per layer:
-
-    pass_seconds = verify_time(tokens, N) + k2 (R b - N)
-
-so only the load term changes (the expert GEMMs' compute keeps N), and R = 1 (b = N)
-gives ``verify_time`` itself.
+hardware profile. Under EP R every layer waits for its busiest rank, so the pass costs
+``costmodel.expert_parallel.ep_pass_time``: verify_time(tokens, N) + k2 (R b - N), b the
+busiest rank's distinct experts per layer (the profile being the whole EP group, "8xh200"
+for EP 8, as ``fit_params`` assumes); R = 1 (b = N) gives ``verify_time`` itself.
 
 Scaling the busiest rank to the profile (the imbalance method). The testbed union u_t is
 scaled to the profile's u_p with the effective-token method
@@ -36,6 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from sgl_ecospec.costmodel.expert_parallel import ep_pass_time
 from sgl_ecospec.costmodel.performance import PerformanceModel
 from sgl_ecospec.costmodel.scaling import scale_unique_experts
 from sgl_ecospec.lab.engine.stats import rank_loads
@@ -87,21 +83,6 @@ def scale_busiest_rank(busiest, unique, scaled_unique, *, ep_size: int, num_expe
     return np.minimum(num_experts / ep_size, u_p * (b / u))
 
 
-def pass_seconds(perf: PerformanceModel, tokens, unique, busiest, ep_size: int) -> np.ndarray:
-    """Seconds of target passes under EP: ``verify_time(tokens, N) + k2 (R b - N)``.
-
-    Args:
-        perf: the model on the whole EP group's hardware.
-        tokens: tokens in each pass (>= 1).
-        unique: N, the profile's distinct experts per layer of each pass.
-        busiest: b, the profile's busiest-rank experts per layer, in [N / R, N].
-        ep_size: R.
-    """
-    unique = np.asarray(unique, dtype=np.float64)
-    base = np.asarray(perf.verify_time(1, tokens, unique), dtype=np.float64)
-    return base + perf.params.k2 * (ep_size * np.asarray(busiest, dtype=np.float64) - unique)
-
-
 @dataclasses.dataclass(frozen=True)
 class PricedSteps:
     """Steps priced on one profile at one EP size.
@@ -126,7 +107,7 @@ def price_steps(
 
     Each (step, layer) union is scaled with ``scale_unique_experts`` (capped at tokens x
     K_p, as ``bench.metrics`` does) and its busiest rank with ``scale_busiest_rank``; the
-    pass is priced by ``pass_seconds`` on the means over layers (the layers run one after
+    pass is priced by ``ep_pass_time`` on the means over layers (the layers run one after
     another, so their loads add up).
 
     Args:
@@ -164,7 +145,7 @@ def price_passes(
     busiest_scaled = scale_busiest_rank(
         busiest, unique, scaled, ep_size=ep_size, num_experts=perf.model.num_experts
     )
-    seconds = pass_seconds(perf, tokens, scaled.mean(1), busiest_scaled.mean(1), ep_size)
+    seconds = ep_pass_time(perf, tokens, scaled.mean(1), busiest_scaled.mean(1), ep_size)
     return PricedSteps(busiest, scaled, busiest_scaled, np.asarray(seconds, dtype=np.float64))
 
 

@@ -5,8 +5,9 @@
   expected tokens per predicted step time (``lab/engine/evict.py``). The step time depends
   on the number of verified tokens only: :func:`evict_step_seconds` prices a step in which
   every request verifies its root and k candidates, k = 0..budget, with the profile's
-  uniform-routing unique experts N(B (1 + k)) (no expert awareness), plus the step's fixed
-  part (drafting, accept/reject), so that the ratio is tokens per second of the step.
+  uniform routing (no expert awareness; under EP its expected busiest rank, as a time
+  profiled per token count on the EP deployment would show), plus the step's fixed part
+  (drafting, accept/reject), so that the ratio is tokens per second of the step.
 - ``cascade``: confidence selection behind the utility gate: speculate only where
   confidence's predicted speedup over no speculation is above 1 (:func:`utility_gate`, the
   rule ``adaptive``'s gate uses too); where closed the run is plain decoding (speedup 1).
@@ -18,6 +19,7 @@
   confidence's run instead of decoding it twice.
 """
 
+from sgl_ecospec.costmodel.expert_parallel import uniform_ep_verify_time
 from sgl_ecospec.costmodel.performance import PerformanceModel
 from sgl_ecospec.lab.bench import metrics
 
@@ -25,22 +27,31 @@ EVICT, CASCADE = "evict", "cascade"
 
 
 def evict_step_seconds(
-    perf: PerformanceModel, batch: int, budget: int, draft_steps: int
+    perf: PerformanceModel, batch: int, budget: int, draft_steps: int, ep_size: int = 1
 ) -> tuple[float, ...]:
     """Predicted seconds of a step in which each of ``batch`` requests verifies its root and
     k candidates, for k = 0..``budget``: ``draft_steps`` x draft_time(B) + reject_time(B) +
-    verify_time(B, 1 + k) with uniform-routing experts (``SpecConfig.evict_seconds``)."""
+    the verify pass over B (1 + k) tokens with uniform routing under EP ``ep_size``
+    (``uniform_ep_verify_time``; ``perf`` on the EP group's hardware) for
+    ``SpecConfig.evict_seconds``."""
     fixed = draft_steps * float(perf.draft_time(batch)) + float(perf.reject_time(batch))
-    return tuple(fixed + float(perf.verify_time(batch, 1 + k)) for k in range(budget + 1))
+    return tuple(
+        fixed + float(uniform_ep_verify_time(perf, batch, 1 + k, ep_size))
+        for k in range(budget + 1)
+    )
 
 
-def spec_fields(policy: str, perf: PerformanceModel, batch: int, budget: int, steps: int) -> dict:
+def spec_fields(
+    policy: str, perf: PerformanceModel, batch: int, budget: int, steps: int, ep_size: int = 1
+) -> dict:
     """The ``SpecConfig`` fields that pick a bench policy's selection: cascade decodes with
-    confidence selection; evict adds its step seconds at batch size ``batch``."""
+    confidence selection; evict adds its step seconds at batch size ``batch`` (under EP
+    ``ep_size``, ``perf`` on the EP group's hardware)."""
     if policy == CASCADE:
         return {"policy": "confidence"}
     if policy == EVICT:
-        return {"policy": EVICT, "evict_seconds": evict_step_seconds(perf, batch, budget, steps)}
+        seconds = evict_step_seconds(perf, batch, budget, steps, ep_size)
+        return {"policy": EVICT, "evict_seconds": seconds}
     return {"policy": policy}
 
 

@@ -158,7 +158,7 @@ def selection_configs(
         },
         "evict": {
             **base,
-            **peers.spec_fields("evict", perf_selected, batch, budget, cfg.steps),
+            **peers.spec_fields("evict", perf_selected, batch, budget, cfg.steps, ep_size),
         },
         # Where its gate is open cascade decodes as confidence does (sweep_run reuses that run).
         "cascade": {**base, **peers.spec_fields("cascade", perf, batch, budget, cfg.steps)},
