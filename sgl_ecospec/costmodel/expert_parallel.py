@@ -42,13 +42,14 @@ def ep_pass_time(perf: PerformanceModel, tokens, unique, busiest, ep_size: int) 
 def uniform_ep_verify_time(perf: PerformanceModel, batch, gamma, ep_size: int):
     """Seconds of a verify pass over ``batch x gamma`` tokens under EP ``ep_size`` with
     uniform routing: :func:`ep_pass_time` with N = N(B gamma) and b its expected busiest
-    rank (contiguous ranks of E / R experts); ``verify_time(batch, gamma)`` at R = 1.
+    rank (``formulas.expected_busiest_rank_experts``); ``verify_time(batch, gamma)`` at
+    R = 1.
 
     Args:
         perf: the model on the whole EP group's hardware.
         batch: requests, >= 1.
         gamma: tokens verified per request, integer >= 1.
-        ep_size: R, which must divide the model's experts per layer.
+        ep_size: R, in [1, the model's experts per layer].
     """
     if ep_size == 1:
         return perf.verify_time(batch, gamma)

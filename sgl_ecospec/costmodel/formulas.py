@@ -81,39 +81,46 @@ def expected_unique_experts(t, num_experts: int, top_k: int):
 def expected_busiest_rank_experts(t, num_experts: int, top_k: int, ep_size: int):
     """Expected distinct experts of one MoE layer on its busiest expert-parallel rank.
 
-    The ``ep_size`` = R ranks hold E / R experts each. Each expert is read with probability
-    q = N(t) / E; taking experts as independent, a rank's count is Binomial(E / R, q) and
-    the busiest of R ranks has E[max] = sum_{j=1}^{E/R} (1 - F(j - 1)^R), F the count's
-    CDF. R = 1 gives N(t) exactly; the result lies in [N(t) / R, min(N(t), E / R)]. Real
-    uniform routing draws each token's K experts without replacement, so experts are not
-    quite independent; against sampled routing the formula is within 2% (tested; e.g. 2.51
-    against 2.53 for one token of E = 128, K = 8 on 8 ranks).
+    The ``ep_size`` = R ranks hold E / R experts each (the first E mod R ranks one more when
+    R does not divide E). Each expert is read with probability q = N(t) / E; taking experts
+    as independent, a rank of m experts reads Binomial(m, q) of them and the busiest of the
+    R ranks has E[max] = sum_{j >= 1} (1 - prod_r F_r(j - 1)), F_r the CDF of rank r's
+    count. R = 1 gives N(t) exactly; the result lies in [N(t) / R, min(N(t), ceil(E / R))].
+    Real uniform routing draws each token's K experts without replacement, so experts are
+    not quite independent; against sampled routing the formula is within 2% (tested; e.g.
+    2.51 against 2.53 for one token of E = 128, K = 8 on 8 ranks).
 
     Args:
         t: tokens in the forward pass, >= 0; float or array.
-        num_experts: E (int >= 1), a multiple of ``ep_size``.
+        num_experts: E (int >= 1).
         top_k: K (int, 1 <= K <= E).
-        ep_size: R (int >= 1).
+        ep_size: R (int, 1 <= R <= E).
 
     Returns:
         Experts per layer on the busiest rank; same shape as ``t``.
     """
     e, k = _check_experts(num_experts, top_k)
-    if isinstance(ep_size, bool) or not isinstance(ep_size, int | np.integer) or ep_size < 1:
-        raise ValueError(f"ep_size must be an int >= 1, got {ep_size!r}")
-    if e % ep_size:
-        raise ValueError(f"ep_size = {ep_size} must divide num_experts = {e}")
+    if isinstance(ep_size, bool) or not isinstance(ep_size, int | np.integer):
+        raise ValueError(f"ep_size must be an int in [1, num_experts={e}], got {ep_size!r}")
+    if not 1 <= ep_size <= e:
+        raise ValueError(f"ep_size must be an int in [1, num_experts={e}], got {ep_size!r}")
     unique = np.asarray(expected_unique_experts(t, e, k), dtype=np.float64)
     if ep_size == 1:
         return _result(unique)
-    per_rank = e // ep_size
     q = (unique / e)[..., None]
-    j = np.arange(per_rank + 1, dtype=np.float64)
-    comb = np.array([math.comb(per_rank, int(i)) for i in j], dtype=np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        pmf = comb * q**j * (1.0 - q) ** (per_rank - j)
-    cdf = np.clip(np.cumsum(pmf, axis=-1), 0.0, 1.0)  # F(0) .. F(E / R)
-    return _result((1.0 - cdf[..., :-1] ** ep_size).sum(-1))
+    larger = e % ep_size  # ranks holding one expert more than the others
+    size = e // ep_size + (larger > 0)
+    j = np.arange(size + 1, dtype=np.float64)
+    all_below = np.ones(unique.shape + (size,))  # P(every rank holds < j experts), j = 1..
+    for per_rank, ranks in ((e // ep_size, ep_size - larger), (e // ep_size + 1, larger)):
+        if not ranks:
+            continue
+        comb = np.array([math.comb(per_rank, int(i)) for i in j], dtype=np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            pmf = np.where(j <= per_rank, comb * q**j * (1.0 - q) ** (per_rank - j), 0.0)
+        cdf = np.clip(np.cumsum(pmf, axis=-1), 0.0, 1.0)  # F(0) .. F(size)
+        all_below = all_below * cdf[..., :-1] ** ranks
+    return _result((1.0 - all_below).sum(-1))
 
 
 def saturation_threshold(num_experts: int, top_k: int, tau: float = 0.95) -> int:

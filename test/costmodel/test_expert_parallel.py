@@ -24,12 +24,22 @@ def sampled_busiest(tokens: int, experts: int, top_k: int, ranks: int, draws: in
     picks = rng.random((draws, tokens, experts)).argsort(-1)[..., :top_k]
     used = np.zeros((draws, experts), dtype=bool)
     np.put_along_axis(used, picks.reshape(draws, -1), True, axis=1)
-    return float(used.reshape(draws, ranks, experts // ranks).sum(-1).max(-1).mean())
+    sizes = [experts // ranks + (r < experts % ranks) for r in range(ranks)]
+    starts = np.cumsum([0] + sizes[:-1])
+    return float(np.add.reduceat(used, starts, axis=1).max(-1).mean())
 
 
 @pytest.mark.parametrize(
     "tokens, experts, top_k, ranks",
-    [(1, 64, 8, 8), (2, 64, 8, 8), (1, 128, 8, 8), (4, 128, 8, 8), (16, 256, 8, 8), (3, 128, 8, 4)],
+    [
+        (1, 64, 8, 8),
+        (2, 64, 8, 8),
+        (1, 128, 8, 8),
+        (4, 128, 8, 8),
+        (16, 256, 8, 8),
+        (3, 128, 8, 4),
+        (2, 60, 4, 8),
+    ],
 )
 def test_busiest_rank_matches_sampled_routing(tokens, experts, top_k, ranks):
     expected = expected_busiest_rank_experts(tokens, experts, top_k, ranks)
@@ -47,10 +57,15 @@ def test_busiest_rank_bounds_and_edges():
     assert busiest[-1] == pytest.approx(16.0)  # saturated: every rank full
     # One token's 8 experts on 8 ranks of 16: the busiest holds about 2.5 of them.
     assert expected_busiest_rank_experts(1, 128, 8, 8) == pytest.approx(2.51, abs=0.01)
-    with pytest.raises(ValueError, match="ep_size = 3 must divide num_experts = 128"):
-        expected_busiest_rank_experts(1, 128, 8, 3)
-    with pytest.raises(ValueError, match="ep_size must be an int >= 1"):
-        expected_busiest_rank_experts(1, 128, 8, 0)
+    # Ranks of unequal sizes (60 experts on 8 ranks: four of 8, four of 7).
+    uneven = expected_busiest_rank_experts(tokens, 60, 4, 8)
+    union60 = expected_unique_experts(tokens, 60, 4)
+    assert (uneven >= union60 / 8 - 1e-12).all() and (uneven <= np.minimum(union60, 8) + 1e-9).all()
+    assert uneven[-1] == pytest.approx(8.0)
+    assert expected_busiest_rank_experts(64, 128, 8, 128) == pytest.approx(1.0, abs=1e-3)
+    for bad in (0, 129, 2.0):
+        with pytest.raises(ValueError, match=r"ep_size must be an int in \[1, num_experts=128\]"):
+            expected_busiest_rank_experts(1, 128, 8, bad)
 
 
 def test_ep_pass_time_prices_the_busiest_rank():
