@@ -100,9 +100,11 @@ def expected_busiest_rank_experts(t, num_experts: int, top_k: int, ep_size: int)
         Experts per layer on the busiest rank; same shape as ``t``.
     """
     e, k = _check_experts(num_experts, top_k)
-    if isinstance(ep_size, bool) or not isinstance(ep_size, int | np.integer):
-        raise ValueError(f"ep_size must be an int in [1, num_experts={e}], got {ep_size!r}")
-    if not 1 <= ep_size <= e:
+    if (
+        isinstance(ep_size, bool)
+        or not isinstance(ep_size, int | np.integer)
+        or not 1 <= ep_size <= e
+    ):
         raise ValueError(f"ep_size must be an int in [1, num_experts={e}], got {ep_size!r}")
     unique = np.asarray(expected_unique_experts(t, e, k), dtype=np.float64)
     if ep_size == 1:

@@ -192,17 +192,16 @@ def replay(predictor: ExpertPredictor, steps: list[dict]) -> dict:
 
 def predict_ms(predictor: ExpertPredictor, steps: list[dict], repeats: int = 50) -> float:
     """Median milliseconds of one ``predict_topk`` over 16 x 37 rows drawn from ``steps``."""
-    tokens = torch.cat([s["tokens"] for s in steps])
+    rows = sum(s["tokens"].shape[0] for s in steps)
     pick = torch.randint(
-        0, tokens.shape[0], (TIMED_BATCH * TIMED_ROWS,), generator=torch.Generator().manual_seed(0)
+        0, rows, (TIMED_BATCH * TIMED_ROWS,), generator=torch.Generator().manual_seed(0)
     )
-    hidden, extra = _inputs(
-        predictor, {key: torch.cat([s[key] for s in steps])[pick] for key in steps[0]}
-    )
+    drawn = {key: torch.cat([s[key] for s in steps])[pick] for key in steps[0]}
+    hidden, extra = _inputs(predictor, drawn)
     times = []
     for _ in range(repeats + 5):
         started = time.perf_counter()
-        predictor.predict_topk(tokens[pick], hidden, **extra)
+        predictor.predict_topk(drawn["tokens"], hidden, **extra)
         times.append(time.perf_counter() - started)
     return 1e3 * statistics.median(times[5:])
 
