@@ -11,11 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from sgl_ecospec.costmodel import (
-    get_model,
-)
+from sgl_ecospec.costmodel import get_model, selection_cost
 from sgl_ecospec.lab.bench import cli as bench_cli
-from sgl_ecospec.lab.bench import metrics, runs
+from sgl_ecospec.lab.bench import metrics, runs, sweep_plan
 from sgl_ecospec.lab.config import BenchConfig
 from sgl_ecospec.lab.engine import OracleExpertPredictor, SpecConfig
 from sgl_ecospec.lab.engine.stats import StepStats as Step
@@ -132,9 +130,16 @@ class FakeEngine:
         )
 
     def generate_speculative(
-        self, prompts, max_new_tokens, spec, predictor=None, progress=None, calibrator=None
+        self,
+        prompts,
+        max_new_tokens,
+        spec,
+        predictor=None,
+        progress=None,
+        calibrator=None,
+        exchange=None,
     ):
-        FakeEngine.calls.append((spec, predictor, calibrator))
+        FakeEngine.calls.append((spec, predictor, calibrator, exchange))
         budget = spec.budget
         experts = min(E, K + budget + (2 if spec.policy == "confidence" else 0))
         n = len(prompts)
@@ -228,7 +233,7 @@ def test_bench_reports_predicted_against_measured_acceptance(fake_engine, tmp_pa
             assert figures["predicted_accept_length"] == 1.5
     # Every run selects on calibrated scores and keeps one calibrator over its batches.
     calls = fake_engine.calls
-    assert all(spec.calibrated_acceptance for spec, _, _ in calls)
+    assert all(call[0].calibrated_acceptance for call in calls)
     per_run = len(calls) // 2
     assert len({id(c[2]) for c in calls[:per_run]}) == 1
     assert {id(c[2]) for c in calls[:per_run]} != {id(c[2]) for c in calls[per_run:]}
@@ -329,6 +334,29 @@ def test_pricing_uses_the_chosen_profile(fake_engine, tmp_path):
     assert np.isfinite([qwen["speedup"], deepseek["speedup"]]).all()
 
 
+def test_adaptive_selects_with_the_cost_model_and_the_measured_prices(fake_engine, tmp_path):
+    """bench's adaptive is the sweep's: eps and step account of ``selection_cost`` for the
+    profile at the batch size, the layer weights priced from the greedy roots' union, and
+    the expert prices measured over the run (its JSON entry carries them)."""
+    path = tmp_path / "bench.json"
+    argv = ["--num-prompts", "2", "--batch-size", "2", "--policy", "confidence,adaptive"]
+    assert _run([*argv, "--eps", "7", "--json", str(path)]) == 0
+    spec, _, _, exchange = next(c for c in fake_engine.calls if c[0].policy == "adaptive")
+    testbed = {"num_layers": L, "num_experts": E, "top_k": K}
+    # The fake's greedy steps read min(E, K x 2) experts per layer at batch 2.
+    fields = sweep_plan.adaptive_fields("qwen3-235b-a22b", "h200", 2, 4, 3, min(E, 2 * K), testbed)
+    cost = selection_cost(runs.performance_model("qwen3-235b-a22b", "h200"), 2, 5, draft_steps=3)
+    assert spec.eps == fields["eps"] == cost.eps != 7  # --eps is ecospec's
+    assert spec.selection_options.step_cost == cost.step_cost
+    assert spec.layer_weights == pytest.approx(fields["layer_weights"])
+    assert spec.recall_weighted_cost is False
+    assert exchange.prior == pytest.approx(fields["layer_weights"][0] * L / QWEN3.moe_layers)
+    entry = json.loads(path.read_text())["policies"]["adaptive"]
+    assert set(entry["expert_exchange"]) == {"prior", "rate", "others"}
+    confidence = next(c for c in fake_engine.calls if c[0].policy == "confidence")
+    assert confidence[3] is None and confidence[0].eps == 7
+
+
 # --- end to end on the real engine ---------------------------------------------------------
 
 
@@ -390,6 +418,27 @@ def test_bench_end_to_end_on_tiny_models(tiny_models, tmp_path, capsys):
     )
     assert saved.observe_calls > 0
     assert EcoSpecSettings(predictor_file=str(tmp_path / "predictor.pt")).predictor_file
+
+
+def test_bench_adaptive_end_to_end_on_tiny_models(tiny_models, tmp_path):
+    """adaptive runs in bench (it needs the cost model's step account), stays lossless and
+    verifies no more than the budget."""
+    root = tiny_models
+    out_json = tmp_path / "bench.json"
+    argv = ["--target", str(root / "target"), "--draft", str(root / "draft")]
+    argv += ["--prompts", str(root / "prompts.jsonl"), "--num-prompts", "3"]
+    argv += ["--max-new-tokens", "8", "--batch-size", "1", "--budget", "3"]
+    argv += ["--policy", "confidence,adaptive", "--recall-weighted-cost"]
+    argv += ["--check-lossless", "--json", str(out_json)]
+    args = _parse(argv)
+    assert args.run(args) == 0
+    report = json.loads(out_json.read_text())
+    adaptive, confidence = report["policies"]["adaptive"], report["policies"]["confidence"]
+    assert adaptive["lossless"] is True and adaptive["expert_exchange"]["rate"] > 0
+    assert 1.0 <= adaptive["accept_length"] <= 1 + 3
+    # The root's 4 experts, up to 3 candidates' more (K = 4 of E = 16).
+    assert 4 <= adaptive["experts_per_layer_step"] <= 16
+    assert confidence["lossless"] is True
 
 
 def test_train_head_then_bench_with_it(tiny_models, tmp_path, capsys):

@@ -13,7 +13,15 @@ import time
 
 from sgl_ecospec.costmodel.profiles import HARDWARE, MODELS
 from sgl_ecospec.lab import numerics
-from sgl_ecospec.lab.bench import arguments, metrics, pareto, peers, predictor_stats, report
+from sgl_ecospec.lab.bench import (
+    arguments,
+    metrics,
+    pareto,
+    peers,
+    predictor_stats,
+    report,
+    sweep_plan,
+)
 from sgl_ecospec.lab.bench.runs import (
     LosslessError,
     OutputCheck,
@@ -68,7 +76,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help=f"comma-separated: {', '.join(BENCH_POLICIES)} (docs/bench.md, 'Peers')",
     )
     arguments.add_predictor_arguments(gen)
-    gen.add_argument("--eps", type=float, default=DEFAULT_EPS, help="EcoSpec's P / (cost + eps)")
+    gen.add_argument(
+        "--eps",
+        type=float,
+        default=DEFAULT_EPS,
+        help="EcoSpec's P / (cost + eps) (adaptive: the cost model's)",
+    )
     arguments.add_share_buffer_argument(gen, "one expert buffer for the whole batch")
     arguments.add_recall_weighted_argument(gen)
     gen.add_argument(
@@ -99,8 +112,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-def speculative_run(cfg, engine, budget, policy, groups_by_name, prompts, greedy, progress):
+def speculative_run(
+    cfg, engine, budget, policy, groups_by_name, prompts, greedy, progress, root_union
+):
     """One (budget, policy) run over every batch: the testbed metrics (no pricing).
+
+    ``root_union`` is the greedy run's mean distinct experts per layer per step, from which
+    ``adaptive`` prices a testbed expert in the profile's loads (as the sweep does).
 
     Raises:
         LosslessError: with ``check_lossless``, at the first output unlike greedy.
@@ -112,12 +130,21 @@ def speculative_run(cfg, engine, budget, policy, groups_by_name, prompts, greedy
 
     torch.manual_seed(cfg.seed)
     perf = performance_model(cfg.profile, cfg.hardware)  # evict's step seconds
+    selection = {
+        "eps": cfg.eps,
+        **peers.spec_fields(policy, perf, cfg.batch_size, budget, cfg.steps),
+    }
+    exchange = None
+    if policy == "adaptive":  # the cost model's eps and step account, the sweep's prices
+        testbed = {k: getattr(engine, k) for k in ("num_layers", "num_experts", "top_k")}
+        at = (cfg.profile, cfg.hardware, cfg.batch_size)
+        selection = sweep_plan.adaptive_fields(*at, budget, cfg.steps, root_union, testbed)
+        exchange = sweep_plan.expert_exchange(*at, root_union, testbed)
     spec = SpecConfig(
         topk=cfg.topk,
         num_steps=cfg.steps,
         budget=budget,
-        **peers.spec_fields(policy, perf, cfg.batch_size, budget, cfg.steps),
-        eps=cfg.eps,
+        **selection,
         share_buffer=cfg.share_buffer,
         calibrated_acceptance=cfg.calibrated_acceptance,
         recall_weighted_cost=cfg.recall_weighted_cost,
@@ -141,6 +168,7 @@ def speculative_run(cfg, engine, budget, policy, groups_by_name, prompts, greedy
                 predictor=predictor,
                 progress=progress.on_step,
                 calibrator=calibrator,
+                exchange=exchange,
             )
             for ids, got in zip(group, result.outputs, strict=True):
                 ds_check.compare(prompts[name][index], ids, greedy[name][index], list(got[:limit]))
@@ -162,6 +190,9 @@ def speculative_run(cfg, engine, budget, policy, groups_by_name, prompts, greedy
         # Steps carry no recall: fall back to the engine's per-call figure, step-weighted.
         weight = sum(n for _, n in engine_recalls) or 1
         summary["predictor_recall"] = sum(r * n for r, n in engine_recalls) / weight
+    if exchange is not None:
+        rate, others = exchange.prices()
+        summary["expert_exchange"] = {"prior": exchange.prior, "rate": rate, "others": others}
     return {
         "policy": policy,
         "budget": budget,
@@ -214,7 +245,7 @@ def run_bench(cfg: BenchConfig, engine, prompts: dict, *, out=None) -> dict:
 
     def priced_run(run_cfg, budget, policy):
         entry = speculative_run(
-            run_cfg, engine, budget, policy, groups_by_name, prompts, greedy, progress
+            run_cfg, engine, budget, policy, groups_by_name, prompts, greedy, progress, root_union
         )
         predictor = entry.pop("predictor")
         entry["predicted"] = metrics.predicted_cost(
@@ -226,7 +257,7 @@ def run_bench(cfg: BenchConfig, engine, prompts: dict, *, out=None) -> dict:
         greedy, greedy_steps, seconds = run_greedy(
             engine, groups_by_name, cfg.max_new_tokens, progress
         )
-        mean, p90 = metrics.expert_stats(greedy_steps)
+        root_union, p90 = metrics.expert_stats(greedy_steps)
         profile = perf.model
         rep = {
             "note": NOTE,
@@ -243,7 +274,7 @@ def run_bench(cfg: BenchConfig, engine, prompts: dict, *, out=None) -> dict:
             },
             "greedy": {
                 "steps": len(greedy_steps),
-                "experts_per_layer_step": mean,
+                "experts_per_layer_step": root_union,
                 "experts_per_layer_step_p90": p90,
                 "wall_seconds": seconds,
                 "predicted": metrics.predicted_ar(greedy_steps, perf, **shape),

@@ -15,6 +15,7 @@ __all__ = [
     "EP_SELECTED",
     "PAIRED_AGAINST",
     "POLICIES",
+    "adaptive_fields",
     "ep_hardware",
     "expert_exchange",
     "prompts_per_batch_size",
@@ -119,10 +120,11 @@ def selection_configs(
     """
     from sgl_ecospec.costmodel import selection_cost
 
-    perf = performance_model(cfg.profiles[0], cfg.hardware)
-    perf_selected = performance_model(cfg.profiles[0], ep_hardware(cfg.hardware, ep_size))
+    profile = cfg.profiles[0]
+    perf = performance_model(profile, cfg.hardware)
+    perf_selected = performance_model(profile, ep_hardware(cfg.hardware, ep_size))
     budget, layers = cfg.budget, testbed["num_layers"]
-    weight = _selection_weight(cfg, batch, root_union, testbed)
+    weight = _selection_weight(profile, cfg.hardware, batch, root_union, testbed)
     weights = (perf.model.moe_layers / layers * weight,) * layers
     base = {
         "topk": cfg.topk,
@@ -133,9 +135,6 @@ def selection_configs(
     # The expert-aware policies' cost trusts only what the predictor knows (--recall-weighted-cost).
     trust = {"recall_weighted_cost": cfg.recall_weighted_cost}
     cost = selection_cost(perf, batch, budget + 1, draft_steps=cfg.steps)
-    cost_selected = selection_cost(
-        perf_selected, batch, budget + 1, draft_steps=cfg.steps, ep_size=ep_size
-    )
     configs = {
         "confidence": {**base, "policy": "confidence"},
         "ecospec": {
@@ -148,13 +147,16 @@ def selection_configs(
         "adaptive": {
             **base,
             **trust,
-            "policy": "adaptive",
-            "eps": cost_selected.eps,
-            "layer_weights": weights,
-            "step_tokens": cost_selected.step_tokens,
-            "step_cost": cost_selected.step_cost,
-            "candidate_cost": cost_selected.candidate_cost,
-            "candidate_decay": cost_selected.candidate_decay,
+            **adaptive_fields(
+                profile,
+                cfg.hardware,
+                batch,
+                budget,
+                cfg.steps,
+                root_union,
+                testbed,
+                ep_size=ep_size,
+            ),
         },
         "evict": {
             **base,
@@ -163,13 +165,6 @@ def selection_configs(
         # Where its gate is open cascade decodes as confidence does (sweep_run reuses that run).
         "cascade": {**base, **peers.spec_fields("cascade", perf, batch, budget, cfg.steps)},
     }
-    if ep_size > 1:
-        placement = ep_cost.contiguous_expert_rank(testbed["num_experts"], ep_size)
-        configs["adaptive"] |= {
-            "expert_rank": tuple(placement.tolist()),
-            "num_ranks": ep_size,
-            "total_weight": ADAPTIVE_EP_TOTAL_WEIGHT,
-        }
     ranks = max(cfg.ep_sizes)
     if ranks > 1:
         perf_ep = performance_model(cfg.profiles[0], ep_hardware(cfg.hardware, ranks))
@@ -184,19 +179,71 @@ def selection_configs(
     return configs
 
 
-def _selection_weight(cfg: SweepConfig, batch: int, root_union: float, testbed: dict) -> float:
-    """``testbed_expert_weight`` for the profile selection prices with (the first)."""
+def adaptive_fields(
+    profile: str,
+    hardware: str,
+    batch: int,
+    budget: int,
+    steps: int,
+    root_union: float,
+    testbed: dict,
+    *,
+    ep_size: int = 1,
+) -> dict:
+    """``adaptive``'s selection fields of ``SpecConfig`` at batch size ``batch`` (the sweep's
+    and ``bench``'s): eps and the step account of ``selection_cost(ep_size=)`` on the EP
+    group's hardware, the layer weights of :func:`testbed_expert_weight` (each testbed layer
+    standing for moe_layers / L of the profile's), and under EP the placement with
+    ``ADAPTIVE_EP_TOTAL_WEIGHT``.
+
+    Args:
+        profile, hardware: the priced model profile and the hardware of one GPU.
+        batch, budget, steps: B, the candidates verified at most and the draft steps.
+        root_union: the greedy run's mean distinct experts per layer per step at B.
+        testbed: ``{"num_layers", "num_experts", "top_k"}`` of the target.
+        ep_size: the EP size selection prices for.
+    """
+    from sgl_ecospec.costmodel import selection_cost
+
+    perf = performance_model(profile, ep_hardware(hardware, ep_size))
+    cost = selection_cost(perf, batch, budget + 1, draft_steps=steps, ep_size=ep_size)
+    layers = testbed["num_layers"]
+    weight = _selection_weight(profile, hardware, batch, root_union, testbed)
+    fields = {
+        "policy": "adaptive",
+        "eps": cost.eps,
+        "layer_weights": (perf.model.moe_layers / layers * weight,) * layers,
+        "step_tokens": cost.step_tokens,
+        "step_cost": cost.step_cost,
+        "candidate_cost": cost.candidate_cost,
+        "candidate_decay": cost.candidate_decay,
+    }
+    if ep_size > 1:
+        placement = ep_cost.contiguous_expert_rank(testbed["num_experts"], ep_size)
+        fields |= {
+            "expert_rank": tuple(placement.tolist()),
+            "num_ranks": ep_size,
+            "total_weight": ADAPTIVE_EP_TOTAL_WEIGHT,
+        }
+    return fields
+
+
+def _selection_weight(
+    profile: str, hardware: str, batch: int, root_union: float, testbed: dict
+) -> float:
+    """``testbed_expert_weight`` for the profile selection prices with."""
     return testbed_expert_weight(
         root_union,
         batch,
         num_experts=testbed["num_experts"],
         top_k=testbed["top_k"],
-        profile=performance_model(cfg.profiles[0], cfg.hardware).model,
+        profile=performance_model(profile, hardware).model,
     )
 
 
 def expert_exchange(
-    cfg: SweepConfig,
+    profile: str,
+    hardware: str,
     batch: int,
     root_union: float,
     testbed: dict,
@@ -206,14 +253,14 @@ def expert_exchange(
 ) -> ExpertExchange:
     """adaptive's prices of a testbed expert at batch size ``batch`` when it selects for EP
     ``ep_size`` (with ``total_weight``, as its ``SpecConfig``): measured on the run's own
-    verify steps, in the loads of the profile selection prices with, from the prior weight
-    of :func:`selection_configs`; the prior counts for one step that adds a whole testbed
-    layer's experts in every layer."""
+    verify steps, in the loads of ``profile`` on ``hardware``, from the prior weight of
+    :func:`adaptive_fields`; the prior counts for one step that adds a whole testbed layer's
+    experts in every layer."""
     return ExpertExchange(
         num_experts=testbed["num_experts"],
         top_k=testbed["top_k"],
-        profile=performance_model(cfg.profiles[0], cfg.hardware).model,
-        prior=_selection_weight(cfg, batch, root_union, testbed),
+        profile=performance_model(profile, hardware).model,
+        prior=_selection_weight(profile, hardware, batch, root_union, testbed),
         prior_experts=testbed["num_layers"] * testbed["num_experts"],
         ep_size=ep_size,
         total_weight=total_weight,

@@ -261,7 +261,8 @@ def run_batch(cfg: SweepConfig, engine, batch: int, groups, prompts, perfs, prog
         exchange = None
         if policy == "adaptive":  # prices candidates at the rate the sweep charges them
             exchange = expert_exchange(
-                cfg,
+                cfg.profiles[0],
+                cfg.hardware,
                 batch,
                 root_union,
                 testbed,
