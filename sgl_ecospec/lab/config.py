@@ -27,6 +27,8 @@ PEER_POLICIES = ("evict", "cascade")
 BENCH_POLICIES = (*POLICIES, *PEER_POLICIES)
 # The sweep's policies, in the order they are reported.
 SWEEP_POLICIES = ("confidence", "ecospec", "ecospec-ep", "adaptive", *PEER_POLICIES)
+# bench --paired: the policies scored on their own steps against confidence's line.
+PAIRED_POLICIES = ("ecospec", "adaptive")
 # Policies gated per batch size: cascade by confidence's predicted speedup (Cascade's rule,
 # sweep_run.utility_gate), adaptive by its own run's (as the server's gate measures ECOSPEC's
 # own utility).
@@ -155,6 +157,7 @@ class BenchConfig(_Config):
     save_predictor: str | None = None
     pareto: bool = False
     pareto_eps: tuple[float, ...] = (0.01, 0.03, 0.3, 1.0)
+    paired: bool = False
     plot: bool = dataclasses.field(default=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -176,6 +179,13 @@ class BenchConfig(_Config):
         if self.plot and len(self.budgets) < 2:
             raise ValueError(
                 "--plot draws experts against budget: give several, e.g. --budgets 1,2,4,8"
+            )
+        if self.paired and not (
+            set(self.policies) & set(PAIRED_POLICIES) and max(self.budgets) >= 2
+        ):
+            raise ValueError(
+                "--paired scores ecospec and adaptive runs against confidence at their budget "
+                "b and b - 1: list one of them (--policy) at a budget of 2 or more"
             )
         try:
             SelectionOptions(eps=self.eps)  # the one eps rule, the op's
@@ -222,6 +232,7 @@ class BenchConfig(_Config):
             save_predictor=args.save_predictor,
             pareto=bool(args.pareto),
             pareto_eps=_floats(args.pareto_eps, "--pareto-eps"),
+            paired=args.paired,
             plot=bool(args.plot),
         )
 

@@ -138,8 +138,9 @@ class FakeEngine:
         progress=None,
         calibrator=None,
         exchange=None,
+        compare=None,
     ):
-        FakeEngine.calls.append((spec, predictor, calibrator, exchange))
+        FakeEngine.calls.append((spec, predictor, calibrator, exchange, compare))
         budget = spec.budget
         experts = min(E, K + budget + (2 if spec.policy == "confidence" else 0))
         n = len(prompts)
@@ -148,6 +149,14 @@ class FakeEngine:
             Step(n, n * (budget + 1), [1] * n, [experts] * L, 0.75, **predicted)
             for _ in range(max_new_tokens // 2)
         ]
+        if compare is not None:
+            # Each step: the run's set (1 accepted per request), confidence at b (2 more
+            # experts, as many accepted), at b - 1 (1 more expert, none accepted).
+            for i, step in enumerate(steps):
+                more = (0, 2, 1) if i % 2 else (0, 2, 2)
+                union = torch.tensor([[[(1 << (experts + m)) - 1]] * L for m in more])
+                step.paired_bitmaps = union
+                step.paired_accepted = [n, n, 0]
         outputs = [self._output(p, max_new_tokens) for p in prompts]
         if self.corrupt:
             outputs[-1][3] += 1
@@ -341,7 +350,7 @@ def test_adaptive_selects_with_the_cost_model_and_the_measured_prices(fake_engin
     path = tmp_path / "bench.json"
     argv = ["--num-prompts", "2", "--batch-size", "2", "--policy", "confidence,adaptive"]
     assert _run([*argv, "--eps", "7", "--json", str(path)]) == 0
-    spec, _, _, exchange = next(c for c in fake_engine.calls if c[0].policy == "adaptive")
+    spec, _, _, exchange, _ = next(c for c in fake_engine.calls if c[0].policy == "adaptive")
     testbed = {"num_layers": L, "num_experts": E, "top_k": K}
     # The fake's greedy steps read min(E, K x 2) experts per layer at batch 2.
     fields = sweep_plan.adaptive_fields("qwen3-235b-a22b", "h200", 2, 4, 3, min(E, 2 * K), testbed)
@@ -355,6 +364,38 @@ def test_adaptive_selects_with_the_cost_model_and_the_measured_prices(fake_engin
     assert set(entry["expert_exchange"]) == {"prior", "rate", "others"}
     confidence = next(c for c in fake_engine.calls if c[0].policy == "confidence")
     assert confidence[3] is None and confidence[0].eps == 7
+
+
+def test_paired_scores_ecospec_against_confidence_at_b_and_b_minus_1(fake_engine, tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    argv = ["--num-prompts", "2", "--policy", "confidence,ecospec", "--paired"]
+    assert _run([*argv, "--json", str(path)]) == 0
+    compares = {c[0].policy: c[4] for c in fake_engine.calls}
+    assert compares["confidence"] is None
+    assert [(c.policy, c.budget) for c in compares["ecospec"]] == [
+        ("confidence", 4),
+        ("confidence", 3),
+    ]
+    line = json.loads(path.read_text())["policies"]["ecospec"]["paired_line"]
+    # The fake: the run 6 experts and 1 accepted per step, confidence at 4 two more experts
+    # and as many accepted, at 3 one or two more and none accepted.
+    assert line["accept_length"] == {"run": 2.0, "confidence_b4": 2.0, "confidence_b3": 1.0}
+    assert line["experts_per_layer_step"] == {
+        "run": 6.0,
+        "confidence_b4": 8.0,
+        "confidence_b3": 7.5,
+    }
+    assert line["slope"] == 0.5 and line["experts_above_line"] == -2.0
+    assert line["standard_error"] == 0.0 and line["steps"] == 2 * 4
+    assert "-2.000 experts above confidence's line" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv", [["--policy", "confidence", "--paired"], ["--budget", "1", "--paired"]]
+)
+def test_paired_needs_ecospec_or_adaptive_at_a_budget_of_2(argv):
+    with pytest.raises(ValueError, match="--paired scores ecospec and adaptive runs"):
+        _validate(argv)
 
 
 # --- end to end on the real engine ---------------------------------------------------------
@@ -420,15 +461,15 @@ def test_bench_end_to_end_on_tiny_models(tiny_models, tmp_path, capsys):
     assert EcoSpecSettings(predictor_file=str(tmp_path / "predictor.pt")).predictor_file
 
 
-def test_bench_adaptive_end_to_end_on_tiny_models(tiny_models, tmp_path):
-    """adaptive runs in bench (it needs the cost model's step account), stays lossless and
-    verifies no more than the budget."""
+def test_bench_adaptive_and_paired_end_to_end_on_tiny_models(tiny_models, tmp_path):
+    """adaptive runs in bench (it needs the cost model's step account) and stays lossless;
+    --paired scores it and ecospec against confidence at the budget and one less."""
     root = tiny_models
     out_json = tmp_path / "bench.json"
     argv = ["--target", str(root / "target"), "--draft", str(root / "draft")]
     argv += ["--prompts", str(root / "prompts.jsonl"), "--num-prompts", "3"]
     argv += ["--max-new-tokens", "8", "--batch-size", "1", "--budget", "3"]
-    argv += ["--policy", "confidence,adaptive", "--recall-weighted-cost"]
+    argv += ["--policy", "confidence,adaptive,ecospec", "--recall-weighted-cost", "--paired"]
     argv += ["--check-lossless", "--json", str(out_json)]
     args = _parse(argv)
     assert args.run(args) == 0
@@ -438,7 +479,17 @@ def test_bench_adaptive_end_to_end_on_tiny_models(tiny_models, tmp_path):
     assert 1.0 <= adaptive["accept_length"] <= 1 + 3
     # The root's 4 experts, up to 3 candidates' more (K = 4 of E = 16).
     assert 4 <= adaptive["experts_per_layer_step"] <= 16
-    assert confidence["lossless"] is True
+    assert confidence["lossless"] is True and "paired_line" not in confidence
+    for run in (adaptive, report["policies"]["ecospec"]):
+        # --paired: the run's own set, scored in the whole-tree pass, is what it verified.
+        line = run["paired_line"]
+        assert line["steps"] == run["verify_steps"]
+        assert line["accept_length"]["run"] == pytest.approx(run["accept_length"])
+        assert line["experts_per_layer_step"]["run"] == pytest.approx(run["experts_per_layer_step"])
+        # Confidence at 2 is a prefix of its choice at 3: it accepts and loads no more.
+        length, experts = line["accept_length"], line["experts_per_layer_step"]
+        assert length["confidence_b2"] <= length["confidence_b3"]
+        assert experts["confidence_b2"] <= experts["confidence_b3"]
 
 
 def test_train_head_then_bench_with_it(tiny_models, tmp_path, capsys):

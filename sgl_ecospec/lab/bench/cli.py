@@ -16,6 +16,7 @@ from sgl_ecospec.lab import numerics
 from sgl_ecospec.lab.bench import (
     arguments,
     metrics,
+    paired_line,
     pareto,
     peers,
     predictor_stats,
@@ -33,7 +34,7 @@ from sgl_ecospec.lab.bench.runs import (
     run_predictor,
 )
 from sgl_ecospec.lab.cli import add_command
-from sgl_ecospec.lab.config import BENCH_POLICIES, BenchConfig, with_models
+from sgl_ecospec.lab.config import BENCH_POLICIES, PAIRED_POLICIES, BenchConfig, with_models
 from sgl_ecospec.lab.datasets import DATASETS, load_prompts, render_chat
 from sgl_ecospec.ops.selection import DEFAULT_EPS
 
@@ -91,6 +92,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "results, not by its cumulative draft probability (predicted vs measured acceptance "
         "length is reported either way)",
     )
+    gen.add_argument(
+        "--paired",
+        action="store_true",
+        help="score each ecospec and adaptive run at budget b against confidence at b and "
+        "b - 1 on its own steps (one extra target pass over the whole tree per step): its "
+        "distance above confidence's line with a standard error (docs/bench.md)",
+    )
     arguments.add_model_arguments(parser)
     cost = parser.add_argument_group("cost model")
     cost.add_argument("--profile", default="qwen3-235b-a22b", help=f"one of: {', '.join(MODELS)}")
@@ -140,15 +148,19 @@ def speculative_run(
         at = (cfg.profile, cfg.hardware, cfg.batch_size)
         selection = sweep_plan.adaptive_fields(*at, budget, cfg.steps, root_union, testbed)
         exchange = sweep_plan.expert_exchange(*at, root_union, testbed)
+    tree = {"topk": cfg.topk, "num_steps": cfg.steps, "share_buffer": cfg.share_buffer}
     spec = SpecConfig(
-        topk=cfg.topk,
-        num_steps=cfg.steps,
+        **tree,
         budget=budget,
         **selection,
-        share_buffer=cfg.share_buffer,
         calibrated_acceptance=cfg.calibrated_acceptance,
         recall_weighted_cost=cfg.recall_weighted_cost,
     )
+    compare = None  # confidence at budget b and b - 1, scored on the run's own steps
+    if cfg.paired and policy in PAIRED_POLICIES and budget >= 2:
+        compare = tuple(
+            SpecConfig(**tree, budget=b, policy="confidence") for b in (budget, budget - 1)
+        )
     predictor = predictor_stats.timed(run_predictor(cfg, engine))
     # One calibrator per run, learning over all of its batches, as the predictor does.
     calibrator = AcceptanceCalibrator(cfg.steps, device=cfg.device)
@@ -169,6 +181,7 @@ def speculative_run(
                 progress=progress.on_step,
                 calibrator=calibrator,
                 exchange=exchange,
+                compare=compare,
             )
             for ids, got in zip(group, result.outputs, strict=True):
                 ds_check.compare(prompts[name][index], ids, greedy[name][index], list(got[:limit]))
@@ -193,6 +206,8 @@ def speculative_run(
     if exchange is not None:
         rate, others = exchange.prices()
         summary["expert_exchange"] = {"prior": exchange.prior, "rate": rate, "others": others}
+    if compare is not None:
+        summary["paired_line"] = paired_line.paired_line(steps, budget)
     return {
         "policy": policy,
         "budget": budget,
@@ -299,9 +314,9 @@ def run_bench(cfg: BenchConfig, engine, prompts: dict, *, out=None) -> dict:
             if budget == cfg.budget:
                 rep["policies"][policy] = entry
             progress.write(report.table_row(entry), out)
-            note = peers.gate_note(entry)
-            if note:
-                progress.write(note, out)
+            for note in (peers.gate_note(entry), paired_line.note(entry)):
+                if note:
+                    progress.write(note, out)
             for message in entry["mismatches"]:
                 progress.write(
                     f"warning: not lossless: {policy} budget {budget}: {message}", sys.stderr

@@ -138,3 +138,19 @@ def evict_step(chosen: StepSelection, step_seconds: tuple[float, ...]) -> StepSe
     return dataclasses.replace(
         chosen, selected=selected, verify_predicted=chosen.predicted[batch_index(rows), rows]
     )
+
+
+def reselect(chosen: StepSelection, spec, arguments: tuple) -> torch.Tensor:
+    """Another selection's verify set int64 ``[B, spec.budget]`` on ``chosen``'s tree and
+    predictions (a paired comparison), EVICT's cut applied when ``spec`` is evict's.
+
+    Args:
+        chosen: the step that was verified.
+        spec: the compared ``SpecConfig``.
+        arguments: its (``SelectionOptions``, ``select_step`` keywords).
+    """
+    options, extra = arguments
+    other = chosen.reselect(spec.budget, options, **extra)
+    if spec.policy == EVICT:
+        other = evict_step(dataclasses.replace(chosen, selected=other), spec.evict_seconds).selected
+    return other

@@ -26,17 +26,16 @@ One speculative step for a batch (all requests in lockstep, as SGLang's worker r
    the true expert unions of both verify sets (below);
 7. draft extend: the draft reads the accepted rows' aux states, which seeds the next root.
 
-Paired selections. ``generate_speculative(..., compare=other_spec)`` also runs
-``other_spec``'s selection on every step's tree and predictions, without verifying it, and
-records the true expert union of both verify sets, read from one extra target pass over
-the whole tree (as the oracle's): two policies compared on the same steps, free of the
-noise of two decodes drifting apart.
+Paired selections. ``generate_speculative(..., compare=other_spec)`` (or a tuple of specs)
+also runs each one's selection on every step's tree and predictions, without verifying it,
+and records the true expert union and accepted tokens of every verify set, read from one
+extra target pass over the whole tree (as the oracle's): policies compared on the same
+steps, free of the noise of decodes drifting apart.
 
 Shape legend: B = requests, P = longest prompt, T = verify rows, N = candidates, L = MoE
 layers, K = experts per token, W = bitmap words per layer.
 """
 
-import dataclasses
 import os
 from collections.abc import Callable
 
@@ -48,7 +47,7 @@ from sgl_ecospec.lab.eagle3 import Eagle3Draft
 from sgl_ecospec.lab.engine.calibration import predicted_acceptance, resolve_calibrator
 from sgl_ecospec.lab.engine.config import SpecConfig
 from sgl_ecospec.lab.engine.drafter import Drafter
-from sgl_ecospec.lab.engine.evict import EVICT, evict_step
+from sgl_ecospec.lab.engine.evict import EVICT, evict_step, reselect
 from sgl_ecospec.lab.engine.kvcache import BatchKVCache, padded_causal_mask
 from sgl_ecospec.lab.engine.oracle import OracleExpertPredictor
 from sgl_ecospec.lab.engine.predictor_inputs import (
@@ -180,7 +179,7 @@ class OfflineEngine:
         spec: SpecConfig,
         predictor: ExpertPredictor | str = "online",
         progress: Callable[[StepStats], None] | None = None,
-        compare: SpecConfig | None = None,
+        compare: SpecConfig | tuple[SpecConfig, ...] | None = None,
         calibrator: AcceptanceCalibrator | None = None,
         exchange=None,
     ) -> SpecResult:
@@ -194,12 +193,12 @@ class OfflineEngine:
                 fresh :class:`OnlineExpertPredictor`) or "oracle" (the true routing, at the
                 cost of one extra target forward over the whole tree per step).
             progress: called with each step's :class:`StepStats` as it completes.
-            compare: a second selection, scored on every step's tree and predictions but
-                not verified (``evict``'s cut applied); each step then records
-                ``paired_bitmaps``, ``paired_scores``, ``paired_accepted`` and
-                ``paired_verified`` (one extra target forward over the whole tree per step,
-                shared with the oracle's). Its tree growth (topk, num_steps,
-                tree_attention) must be ``spec``'s.
+            compare: another selection (or a tuple of them), scored on every step's tree
+                and predictions but not verified (``evict``'s cut applied); each step then
+                records ``paired_bitmaps``, ``paired_scores``, ``paired_accepted`` and
+                ``paired_verified``, this run's set first (one extra target forward over the
+                whole tree per step, shared with the oracle's). Their tree growth (topk,
+                num_steps, tree_attention) must be ``spec``'s.
             calibrator: the acceptance calibrator (used and updated in place, so it can
                 carry over between calls), or None for a fresh one; it learns whether or
                 not ``spec.calibrated_acceptance`` lets selection read it.
@@ -218,7 +217,8 @@ class OfflineEngine:
         selection = self._selection_arguments(spec)
         if exchange is not None and spec.layer_weights is None:
             raise ValueError("exchange scales spec.layer_weights: set them (the prior weights)")
-        paired = None if compare is None else self._paired_arguments(spec, compare)
+        compared = (compare,) if isinstance(compare, SpecConfig) else (compare or ())
+        paired = tuple(self._paired_arguments(spec, c) for c in compared) or None
         predictor = self._resolve_predictor(predictor)
         calibrator = resolve_calibrator(calibrator, spec.num_steps, self.device)
         requests = Requests(len(prompts), max_new_tokens, self.eos_token_ids)
@@ -270,7 +270,7 @@ class OfflineEngine:
         drafter: Drafter,
         cache: BatchKVCache,
         roots: torch.Tensor,
-        paired: tuple[SpecConfig, tuple] | None,
+        paired: tuple[tuple[SpecConfig, tuple], ...] | None,
         calibrator: AcceptanceCalibrator,
         root_context: torch.Tensor | None = None,
         exchange=None,
@@ -281,7 +281,7 @@ class OfflineEngine:
             selection: the keyword arguments of ``select_verify_set`` that come from
                 ``spec`` (``_selection_arguments``).
             roots: int64 ``[B]``: each request's last verified token (not yet in the cache).
-            paired: (config, selection keywords) of the compared selection, or None.
+            paired: (config, selection keywords) of each compared selection, or None.
             calibrator: the acceptance calibrator; learns from this step's verify result.
             root_context: int64 ``[B]``: the token before each root (for predictors that
                 read context), or None (unknown).
@@ -369,12 +369,7 @@ class OfflineEngine:
             routing, self.num_experts, accepted=(counts - 1).tolist(), recall=recall, **predicted
         )
         if paired is not None:
-            compare, (options, extra) = paired
-            other = chosen.reselect(compare.budget, options, **extra)
-            if compare.policy == EVICT:
-                cut = evict_step(dataclasses.replace(chosen, selected=other), compare.evict_seconds)
-                other = cut.selected
-            sets = (selected, other)
+            sets = (selected, *(reselect(chosen, *each) for each in paired))
             step.paired_bitmaps = torch.stack(
                 [selection_union(truth, s, self.num_experts) for s in sets]
             ).cpu()

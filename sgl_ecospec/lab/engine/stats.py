@@ -28,15 +28,15 @@ class StepStats:
         expert_bitmap: int64 ``[L, W]`` on the CPU: per MoE layer, the union of experts
             ``unique_experts`` counts, as a bitmap (``sgl_ecospec.ops.bitmaps`` layout); what
             :meth:`busiest_rank_experts` reads. None when not recorded.
-        paired_bitmaps: int64 ``[2, L, W]`` on the CPU, only with a paired selection
+        paired_bitmaps: int64 ``[1 + C, L, W]`` on the CPU, only with C paired selections
             (``OfflineEngine.generate_speculative(compare=...)``): the true expert union
-            of the batch's verify set, then of the one the compared selection picked on
-            the same tree, both from one target pass over the whole tree.
-        paired_scores: with ``paired_bitmaps``: the two sets' summed cumulative draft
+            of the batch's verify set, then of the ones the compared selections picked on
+            the same tree, all from one target pass over the whole tree.
+        paired_scores: with ``paired_bitmaps``: the sets' summed cumulative draft
             probabilities (the draft's estimate of the accepted tokens each can yield).
-        paired_accepted: with ``paired_bitmaps``: the two sets' accepted draft tokens,
+        paired_accepted: with ``paired_bitmaps``: the sets' accepted draft tokens,
             summed over the batch, from the same pass (``tree.accepted_within``).
-        paired_verified: with ``paired_bitmaps``: the two sets' verified tokens (roots and
+        paired_verified: with ``paired_bitmaps``: the sets' verified tokens (roots and
             candidates), summed over the batch.
         predicted_accepted: per request, the draft tokens its verify set was expected to
             get accepted under the calibrated acceptance probabilities, as they stood before
