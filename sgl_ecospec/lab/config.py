@@ -185,7 +185,7 @@ class BenchConfig(_Config):
         ):
             raise ValueError(
                 "--paired scores ecospec and adaptive runs against confidence at their budget "
-                "b and b - 1: list one of them (--policy) at a budget of 2 or more"
+                "b and below: list one of them (--policy) at a budget of 2 or more"
             )
         try:
             SelectionOptions(eps=self.eps)  # the one eps rule, the op's

@@ -366,28 +366,37 @@ def test_adaptive_selects_with_the_cost_model_and_the_measured_prices(fake_engin
     assert confidence[3] is None and confidence[0].eps == 7
 
 
-def test_paired_scores_ecospec_against_confidence_at_b_and_b_minus_1(fake_engine, tmp_path, capsys):
+def test_paired_scores_ecospec_against_confidence_at_b_and_below(fake_engine, tmp_path, capsys):
     path = tmp_path / "bench.json"
-    argv = ["--num-prompts", "2", "--policy", "confidence,ecospec", "--paired"]
+    argv = ["--num-prompts", "2", "--budget", "2", "--policy", "confidence,ecospec", "--paired"]
     assert _run([*argv, "--json", str(path)]) == 0
     compares = {c[0].policy: c[4] for c in fake_engine.calls}
     assert compares["confidence"] is None
     assert [(c.policy, c.budget) for c in compares["ecospec"]] == [
-        ("confidence", 4),
-        ("confidence", 3),
+        ("confidence", 2),
+        ("confidence", 1),
     ]
     line = json.loads(path.read_text())["policies"]["ecospec"]["paired_line"]
-    # The fake: the run 6 experts and 1 accepted per step, confidence at 4 two more experts
-    # and as many accepted, at 3 one or two more and none accepted.
-    assert line["accept_length"] == {"run": 2.0, "confidence_b4": 2.0, "confidence_b3": 1.0}
+    # The fake: the run 4 experts and 1 accepted per step, confidence at 2 two more experts
+    # and as many accepted, at 1 one or two more and none accepted.
+    assert line["accept_length"] == {"run": 2.0, "confidence_b2": 2.0, "confidence_b1": 1.0}
     assert line["experts_per_layer_step"] == {
-        "run": 6.0,
-        "confidence_b4": 8.0,
-        "confidence_b3": 7.5,
+        "run": 4.0,
+        "confidence_b2": 6.0,
+        "confidence_b1": 5.5,
     }
-    assert line["slope"] == 0.5 and line["experts_above_line"] == -2.0
-    assert line["standard_error"] == 0.0 and line["steps"] == 2 * 4
-    assert "-2.000 experts above confidence's line" in capsys.readouterr().out
+    assert (
+        line["line"]
+        == line["curve"]
+        == {
+            "budgets": [1, 2],
+            "slope": 0.5,
+            "experts_above": -2.0,
+            "standard_error": 0.0,
+        }
+    )
+    assert line["steps"] == 2 * 4
+    assert "-2.000 experts above confidence's line (b1-b2)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -486,10 +495,12 @@ def test_bench_adaptive_and_paired_end_to_end_on_tiny_models(tiny_models, tmp_pa
         assert line["steps"] == run["verify_steps"]
         assert line["accept_length"]["run"] == pytest.approx(run["accept_length"])
         assert line["experts_per_layer_step"]["run"] == pytest.approx(run["experts_per_layer_step"])
-        # Confidence at 2 is a prefix of its choice at 3: it accepts and loads no more.
+        # Confidence at k is a prefix of its choice at k + 1: it accepts and loads no more.
         length, experts = line["accept_length"], line["experts_per_layer_step"]
-        assert length["confidence_b2"] <= length["confidence_b3"]
-        assert experts["confidence_b2"] <= experts["confidence_b3"]
+        for k in (1, 2):
+            assert length[f"confidence_b{k}"] <= length[f"confidence_b{k + 1}"]
+            assert experts[f"confidence_b{k}"] <= experts[f"confidence_b{k + 1}"]
+        assert line["line"]["budgets"] == [2, 3]
 
 
 def test_train_head_then_bench_with_it(tiny_models, tmp_path, capsys):

@@ -95,9 +95,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     gen.add_argument(
         "--paired",
         action="store_true",
-        help="score each ecospec and adaptive run at budget b against confidence at b and "
-        "b - 1 on its own steps (one extra target pass over the whole tree per step): its "
-        "distance above confidence's line with a standard error (docs/bench.md)",
+        help="score each ecospec and adaptive run at budget b against confidence at b, b - 1, "
+        "..., 1 on its own steps (one extra target pass over the whole tree per step): its "
+        "distance above confidence's line and curve with a standard error (docs/bench.md)",
     )
     arguments.add_model_arguments(parser)
     cost = parser.add_argument_group("cost model")
@@ -156,10 +156,10 @@ def speculative_run(
         calibrated_acceptance=cfg.calibrated_acceptance,
         recall_weighted_cost=cfg.recall_weighted_cost,
     )
-    compare = None  # confidence at budget b and b - 1, scored on the run's own steps
+    compare = None  # confidence at budget b, b - 1, ..., 1, scored on the run's own steps
     if cfg.paired and policy in PAIRED_POLICIES and budget >= 2:
         compare = tuple(
-            SpecConfig(**tree, budget=b, policy="confidence") for b in (budget, budget - 1)
+            SpecConfig(**tree, budget=b, policy="confidence") for b in range(budget, 0, -1)
         )
     predictor = predictor_stats.timed(run_predictor(cfg, engine))
     # One calibrator per run, learning over all of its batches, as the predictor does.

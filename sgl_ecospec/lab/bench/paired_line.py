@@ -1,17 +1,25 @@
 """Where a run lies against "simply verifying fewer tokens", scored on its own steps.
 
 ``bench --paired``: every step of an ``ecospec`` or ``adaptive`` run at budget b also scores
-confidence selection at b and at b - 1 on the same tree and predictions
+confidence selection at every budget b, b - 1, ..., 1 on the same tree and predictions
 (``OfflineEngine.generate_speculative(compare=...)``: one extra target pass over the whole
-tree per step gives every set's accepted tokens and true expert union). The line through
-confidence's two points (acceptance length, unique experts per layer per step) is what
-verifying fewer tokens trades; a run on or below it (no more experts at its acceptance)
-does not lose to it (issue 16's bar). Unpaired, the three points come from three decodes
-whose steps drift apart, and on 198 steps a few flipped choices (one or two accepted
-tokens) move a point by more than the policies differ (docs/RESULTS.md); paired, every
-step contributes its own difference and the distance to the line has a standard error.
+tree per step gives every set's accepted tokens and true expert union; confidence at k is a
+prefix of its choice at k + 1). Confidence's points (acceptance length, unique experts per
+layer per step) trace what verifying fewer tokens trades. Two distances are reported, in
+experts per layer per step (on or below, <= 0: the run does not lose):
 
-Shape legend: S = paired steps, L = MoE layers.
+- ``line``: above the line through confidence's points at b - 1 and b (issue 16's bar);
+- ``curve``: above confidence's curve at the run's own acceptance, i.e. the segment between
+  the two budgets whose acceptance brackets the run's (the end segment beyond them): the
+  fair reading for a run that verifies fewer tokens, which the line's extension far below
+  b - 1 overstates (the curve bends).
+
+Unpaired, the points come from separate decodes whose steps drift apart, and on 198 steps a
+few flipped choices (one accepted token is 0.15 experts against the line) move a point by
+more than the policies differ (docs/RESULTS.md); paired, every step contributes its own
+difference and each distance has a standard error.
+
+Shape legend: S = paired steps, C = compared sets.
 """
 
 import numpy as np
@@ -24,67 +32,74 @@ AGAINST = "confidence"
 
 
 def paired_line(steps, budget: int) -> dict | None:
-    """The run's distance above confidence's line, from steps paired with confidence at
-    ``budget`` and ``budget - 1`` (in that order after the run's own set).
+    """The run's distances above confidence's line and curve, from steps paired with
+    confidence at ``budget``, ``budget - 1``, ..., 1 (in that order after the run's set).
 
     With per-step acceptance a_j = batch + accepted_j and unique experts e_j (per layer,
-    averaged over layers) of set j (0 = the run, 1 = confidence at b, 2 = at b - 1): each
-    set's acceptance length A_j = sum a_j / sum batch and experts E_j = mean e_j; the line's
-    slope m = (E_1 - E_2) / (A_1 - A_2) in experts per unit of acceptance length; the run is
-    above = E_0 - E_1 - m (A_0 - A_1) experts above it (negative: below), the mean over
-    steps of g = (e_0 - e_1) - m (a_0 - a_1) S / sum batch, whose standard error (m held
-    fixed) is reported.
+    averaged over layers) of set j, each set's acceptance length A_j = sum a_j / sum batch
+    and experts E_j = mean e_j. Against the segment through confidence's points at budgets
+    lo < hi, slope m = (E_hi - E_lo) / (A_hi - A_lo) experts per unit of acceptance length,
+    the run (0) is E_0 - E_lo - m (A_0 - A_lo) experts above it: the mean over steps of
+    g = (e_0 - e_k) - m (a_0 - a_k) S / sum batch for either k of lo, hi (the one whose
+    acceptance is nearer the run's, whose g varies least), with its standard error (m held
+    fixed).
 
     Args:
-        steps: the run's ``StepStats``, each with ``paired_bitmaps`` int64 ``[3, L, W]`` and
-            ``paired_accepted`` (3 ints) as the engine records them.
-        budget: b, the run's budget.
+        steps: the run's ``StepStats``, each with ``paired_bitmaps`` int64 ``[1 + b, L, W]``
+            and ``paired_accepted`` (1 + b ints) as the engine records them.
+        budget: b >= 2, the run's budget.
 
     Returns:
-        ``{"against", "budgets", "steps", "accept_length", "experts_per_layer_step",
-        "slope", "experts_above_line", "standard_error"}`` (the two middle ones keyed by
-        "run", "confidence_b<b>", "confidence_b<b-1>"), or None without paired steps; the
-        slope and distance are None when confidence's two points have the same acceptance
-        (no line).
+        ``{"against", "steps", "accept_length", "experts_per_layer_step", "line", "curve"}``
+        (the points keyed by "run" and "confidence_b<k>"; each distance ``{"budgets": [lo,
+        hi], "slope", "experts_above", "standard_error"}``, the last three None where the two
+        budgets tie in acceptance), or None without paired steps.
     """
     paired = [s for s in steps if s.paired_bitmaps is not None]
     if not paired:
         return None
-    if any(s.paired_bitmaps.shape[0] != 3 or len(s.paired_accepted) != 3 for s in paired):
-        raise ValueError("paired_line needs each step paired with exactly two sets")
+    if any(s.paired_bitmaps.shape[0] != 1 + budget for s in paired):
+        raise ValueError(f"paired_line needs each step paired with confidence at 1..{budget}")
     batch = np.asarray([s.batch_size for s in paired], dtype=np.float64)  # [S]
-    accepted = np.asarray([s.paired_accepted for s in paired], dtype=np.float64)  # [S, 3]
-    tokens = batch[:, None] + accepted
+    tokens = batch[:, None] + np.asarray([s.paired_accepted for s in paired], dtype=np.float64)
     experts = np.stack(
         [bitmap_popcount(s.paired_bitmaps).double().mean(-1).numpy() for s in paired]
-    )  # [S, 3]
-    length = tokens.sum(0) / batch.sum()
-    mean_experts = experts.mean(0)
-    names = ("run", f"confidence_b{budget}", f"confidence_b{budget - 1}")
-    out = {
+    )  # [S, C]
+    # Column j of the arrays: the run (0), then confidence at budget - j + 1.
+    column = {"run": 0, **{k: 1 + budget - k for k in range(1, budget + 1)}}
+    length, mean = tokens.sum(0) / batch.sum(), experts.mean(0)
+
+    def distance(lo: int, hi: int) -> dict:
+        out = {"budgets": [lo, hi], "slope": None, "experts_above": None, "standard_error": None}
+        rise = length[column[hi]] - length[column[lo]]
+        if rise == 0:
+            return out
+        slope = (mean[column[hi]] - mean[column[lo]]) / rise
+        # Either point anchors the same mean; the one nearer the run varies least per step.
+        near_lo = abs(length[0] - length[column[lo]]) < abs(length[0] - length[column[hi]])
+        at = column[lo if near_lo else hi]
+        per_step = (experts[:, 0] - experts[:, at]) - slope * (tokens[:, 0] - tokens[:, at]) * len(
+            paired
+        ) / batch.sum()
+        spread = per_step.std(ddof=1) if len(paired) > 1 else float("nan")
+        return out | {
+            "slope": float(slope),
+            "experts_above": float(per_step.mean()),
+            "standard_error": float(spread / np.sqrt(len(paired))),
+        }
+
+    # The curve's segment: the budgets bracketing the run's acceptance, else the end one.
+    above = [k for k in range(2, budget + 1) if length[column[k]] >= length[0]]
+    hi = min(above) if above else budget
+    names = {"run": "run", **{k: f"confidence_b{k}" for k in range(1, budget + 1)}}
+    return {
         "against": AGAINST,
-        "budgets": [budget, budget - 1],
         "steps": len(paired),
-        "accept_length": dict(zip(names, length.tolist(), strict=True)),
-        "experts_per_layer_step": dict(zip(names, mean_experts.tolist(), strict=True)),
-        "slope": None,
-        "experts_above_line": None,
-        "standard_error": None,
+        "accept_length": {names[k]: float(length[c]) for k, c in column.items()},
+        "experts_per_layer_step": {names[k]: float(mean[c]) for k, c in column.items()},
+        "line": distance(budget - 1, budget),
+        "curve": distance(hi - 1, hi),
     }
-    rise = length[1] - length[2]
-    if rise == 0:
-        return out
-    slope = (mean_experts[1] - mean_experts[2]) / rise
-    per_step = (experts[:, 0] - experts[:, 1]) - slope * (tokens[:, 0] - tokens[:, 1]) * len(
-        paired
-    ) / batch.sum()
-    spread = per_step.std(ddof=1) if len(paired) > 1 else float("nan")
-    out.update(
-        slope=float(slope),
-        experts_above_line=float(per_step.mean()),
-        standard_error=float(spread / np.sqrt(len(paired))),
-    )
-    return out
 
 
 def note(entry: dict) -> str | None:
@@ -97,10 +112,15 @@ def note(entry: dict) -> str | None:
         f"{name.replace('confidence_', 'confidence ')} {length[name]:.3f} / {experts[name]:.2f}"
         for name in length
     )
-    head = f"  paired on its {line['steps']} steps (acceptance / experts): {points}"
-    if line["experts_above_line"] is None:
-        return head + "; confidence's two points tie in acceptance: no line"
-    return (
-        f"{head}; {line['experts_above_line']:+.3f} experts above confidence's line "
-        f"(standard error {line['standard_error']:.3f})"
-    )
+    parts = [f"  paired on its {line['steps']} steps (acceptance / experts): {points}"]
+    for key in ("line", "curve"):
+        d = line[key]
+        label = "confidence's {} (b{}-b{})".format(key, *d["budgets"])
+        if d["experts_above"] is None:
+            parts.append(f"  {label}: its two points tie in acceptance, no distance")
+        else:
+            parts.append(
+                f"  {d['experts_above']:+.3f} experts above {label} "
+                f"(standard error {d['standard_error']:.3f})"
+            )
+    return "\n".join(parts)
