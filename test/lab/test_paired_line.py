@@ -72,6 +72,8 @@ def test_curve_reads_the_segment_below_b_minus_1_for_a_run_that_verifies_less():
     assert line["curve"]["budgets"] == [1, 2]
     assert line["curve"]["experts_above"] == pytest.approx(-3.0)
     assert line["line"]["experts_above"] > line["curve"]["experts_above"]
+    text = note({"paired_line": line})
+    assert "-3.000 experts above confidence's curve (b1-b2)" in text and "line (b2-b3)" in text
 
 
 def test_no_line_without_paired_steps_or_when_confidence_ties():

@@ -113,7 +113,8 @@ def note(entry: dict) -> str | None:
         for name in length
     )
     parts = [f"  paired on its {line['steps']} steps (acceptance / experts): {points}"]
-    for key in ("line", "curve"):
+    same = line["curve"]["budgets"] == line["line"]["budgets"]  # then the curve is the line
+    for key in ("line",) if same else ("line", "curve"):
         d = line[key]
         label = "confidence's {} (b{}-b{})".format(key, *d["budgets"])
         if d["experts_above"] is None:
