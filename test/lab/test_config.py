@@ -18,12 +18,13 @@ RUN_MAIN = (
     "--profile qwen3-235b-a22b --hardware h200 --json results/bench.json "
     "--plot results/bench_experts.png"
 ).split()
-# The keys, in order, of the dict the untyped ``validate`` returned (the JSON contract).
+# The keys, in order, of the dict the untyped ``validate`` returned (the JSON contract), and
+# those added since at the end (bench's ``paired``).
 BENCH_KEYS = [
     "datasets", "num_prompts", "seed", "max_new_tokens", "batch_size", "topk", "steps",
     "candidates", "budget", "budgets", "policies", "predictor", "predictor_file", "eps",
     "share_buffer", "calibrated_acceptance", "recall_weighted_cost", "target", "draft", "small",
-    "device", "dtype", "profile", "hardware", "check_lossless", "save_predictor",
+    "device", "dtype", "profile", "hardware", "check_lossless", "save_predictor", "paired",
 ]  # fmt: skip
 SWEEP_KEYS = [
     "batch_sizes", "policies", "ep_sizes", "profiles", "hardware", "dataset", "num_prompts",
@@ -71,6 +72,7 @@ def test_bench_config_serializes_as_the_old_dict():
         "hardware": "h200",
         "check_lossless": True,
         "save_predictor": None,
+        "paired": False,
     }
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.budget = 8
