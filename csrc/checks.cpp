@@ -145,6 +145,8 @@ SelectSizes check_select_verify_set_args(SGL_ECOSPEC_SELECT_VERIFY_SET_PARAMS) {
                     candidate_cost);
   TORCH_CHECK_VALUE(candidate_decay >= 0 && candidate_decay <= 1,
                     "select_verify_set: candidate_decay must lie in [0, 1], got ", candidate_decay);
+  TORCH_CHECK_VALUE(std::isfinite(min_score) && min_score >= 0,
+                    "select_verify_set: min_score must be finite and >= 0, got ", min_score);
   const Policy kind = policy == "confidence" ? Policy::kConfidence
                       : policy == "ecospec"  ? Policy::kEcoSpec
                                              : Policy::kAdaptive;

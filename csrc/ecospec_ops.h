@@ -16,7 +16,7 @@
   "Tensor? root_experts, str policy, float eps, bool share_buffer, "              \
   "Tensor? layer_weights, Tensor? expert_rank=None, int num_ranks=1, "            \
   "float total_weight=0.0, float step_tokens=1.0, float step_cost=1.0, "         \
-  "float candidate_cost=0.0, float candidate_decay=1.0) -> Tensor"
+  "float candidate_cost=0.0, float candidate_decay=1.0, float min_score=0.0) -> Tensor"
 
 // The C++ parameter list matching SGL_ECOSPEC_SELECT_VERIFY_SET_SCHEMA, shared by every
 // launcher and by check_select_verify_set_args (checks.h), so that adding an argument is
@@ -26,11 +26,12 @@
       int64_t budget, const std::optional<at::Tensor> &root_experts, const std::string &policy, \
       double eps, bool share_buffer, const std::optional<at::Tensor> &layer_weights,          \
       const std::optional<at::Tensor> &expert_rank, int64_t num_ranks, double total_weight,   \
-      double step_tokens, double step_cost, double candidate_cost, double candidate_decay
+      double step_tokens, double step_cost, double candidate_cost, double candidate_decay,  \
+      double min_score
 #define SGL_ECOSPEC_SELECT_VERIFY_SET_ARGS                                                  \
   scores, parents, node_experts, budget, root_experts, policy, eps, share_buffer,          \
       layer_weights, expert_rank, num_ranks, total_weight, step_tokens, step_cost,         \
-      candidate_cost, candidate_decay
+      candidate_cost, candidate_decay, min_score
 
 // Declares <op>_<backend> for each op. topk_to_bitmap: topk_ids int32/int64 [..., L, K] ->
 // int64 [..., L, ceil(E / 64)]. bitmap_popcount: int64 [..., W] -> int64 [...].

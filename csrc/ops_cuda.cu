@@ -159,6 +159,7 @@ at::Tensor select_verify_set_cuda(SGL_ECOSPEC_SELECT_VERIFY_SET_PARAMS) {
   args.eps = eps;
   args.step_tokens = step_tokens;
   args.step_cost = step_cost;
+  args.min_score = min_score;
   args.candidate_cost = candidate_cost;
   args.candidate_decay = candidate_decay;
   args.ep = placement.enabled;

@@ -24,6 +24,7 @@ struct Tree {
   int64_t num_nodes, layers, words;
   Policy policy;
   double eps;
+  double min_score;  // nodes scoring below it are never taken
   double candidate_cost, candidate_decay;  // a request's k-th candidate adds cost x decay^k
   Placement placement;
 };
@@ -55,7 +56,7 @@ Choice pick(const Tree& t, int64_t b, const uint8_t* selected, const Buffer& buf
   const int64_t* parents = t.parents + b * n;
   Choice best{-1, 0.0, 0.0};
   for (int64_t i = 0; i < n; ++i) {
-    if (!is_available(selected, parents, i, n)) continue;
+    if (!can_take(selected, parents, prob, i, n, t.min_score)) continue;
     const double delta = t.policy == Policy::kConfidence
                              ? 0.0
                              : delta_cost(t.experts + (b * n + i) * lw, buffer.experts, t.layers,
@@ -165,6 +166,7 @@ at::Tensor select_verify_set_cpu(SGL_ECOSPEC_SELECT_VERIFY_SET_PARAMS) {
                   words,
                   sizes.policy,
                   eps,
+                  min_score,
                   candidate_cost,
                   candidate_decay,
                   placement};

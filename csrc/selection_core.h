@@ -224,4 +224,11 @@ SGL_HD bool is_available(const uint8_t* selected, const int64_t* parents, int64_
   return p < 0 || selected[p];
 }
 
+// is_available, and the node's score (draft probability) is at least `min_score`: a node
+// below the floor is never verified, whatever the budget left.
+SGL_HD bool can_take(const uint8_t* selected, const int64_t* parents, const double* prob,
+                     int64_t i, int64_t num_nodes, double min_score) {
+  return is_available(selected, parents, i, num_nodes) && prob[i] >= min_score;
+}
+
 }  // namespace sgl_ecospec

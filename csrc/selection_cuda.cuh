@@ -123,6 +123,7 @@ struct SelectArgs {
   int64_t requests_per_block;  // B (share_buffer) or 1
   Policy policy;
   double eps, step_tokens, step_cost;
+  double min_score;  // nodes scoring below it are never taken
   double candidate_cost, candidate_decay;  // a request's k-th candidate adds cost x decay^k
   bool ep;
   int64_t rank_layer_stride, num_experts, num_ranks;  // stride E ([L, E]) or 0 ([E])
@@ -187,16 +188,17 @@ __device__ __forceinline__ bool needs_buffer(const SelectArgs& a) {
 
 // One warp lists the available candidates of request k of the block (ascending) in
 // `frontier`, and their count in `count`.
-__device__ void list_frontier(const SelectArgs& a, const Workspace& ws, int64_t k,
+__device__ void list_frontier(const SelectArgs& a, const Workspace& ws, int64_t first, int64_t k,
                               int64_t* frontier, int64_t* count) {
   const int lane = threadIdx.x % 32;
   const int64_t n = a.num_nodes;
+  const double* prob = a.prob + (first + k) * n;
   const uint8_t* selected = ws.selected + k * n;
   const int64_t* parents = ws.parents + k * n;
   int64_t seen = 0;
   for (int64_t base = 0; base < n; base += 32) {
     const int64_t i = base + lane;
-    const bool available = i < n && is_available(selected, parents, i, n);
+    const bool available = i < n && can_take(selected, parents, prob, i, n, a.min_score);
     const unsigned mask = __ballot_sync(kFullMask, available);
     if (available) frontier[seen + __popc(mask & ((1u << lane) - 1))] = i;
     seen += __popc(mask);
@@ -231,7 +233,7 @@ __device__ void setup(const SelectArgs& a, const Workspace& ws, int64_t first, i
     for (int64_t j = threadIdx.x; j < layers * a.num_ranks; j += blockDim.x) ws.loads[j] = 0;
   }
   __syncthreads();
-  if (threadIdx.x < 32) list_frontier(a, ws, 0, ws.frontier, counts);
+  if (threadIdx.x < 32) list_frontier(a, ws, first, 0, ws.frontier, counts);
   if (needs_buffer(a) && a.ep) {
     // The loads of the seeded buffer: each of its experts counted once on its rank.
     for (int64_t j = threadIdx.x; j < lw; j += blockDim.x) {
@@ -320,7 +322,10 @@ __device__ void prefetch_frontier(const SelectArgs& a, const Workspace& ws, int6
   const int lane = threadIdx.x % 32;
   const int64_t n = a.num_nodes, bytes = a.layers * a.words * 8;
   for (int64_t i = helper; i < n; i += helpers) {
-    if (!is_available(ws.selected + k * n, ws.parents + k * n, i, n)) continue;
+    if (!can_take(ws.selected + k * n, ws.parents + k * n, a.prob + (first + k) * n, i, n,
+                  a.min_score)) {
+      continue;
+    }
     const uintptr_t start = reinterpret_cast<uintptr_t>(a.experts + ((first + k) * n + i) *
                                                                         a.layers * a.words);
     const uintptr_t end = start + bytes;
@@ -360,7 +365,7 @@ __device__ bool take_turn(const SelectArgs& a, const Workspace& ws, int64_t firs
   }
   if (lane == 0) slots[warp] = mine;
   if (next != k && warp == kSelectWarps - 1) {
-    list_frontier(a, ws, next, next_list, counts + 1 - parity);
+    list_frontier(a, ws, first, next, next_list, counts + 1 - parity);
   }
   if (warp >= frontier && next != k && needs_buffer(a)) {
     prefetch_frontier(a, ws, first, next, warp - frontier, kSelectWarps - frontier);
@@ -386,7 +391,7 @@ __device__ bool take_turn(const SelectArgs& a, const Workspace& ws, int64_t firs
   if (warp == 0) {
     if (take && lane == 0) ws.selected[k * n + best.index] = 1;
     __syncwarp();
-    if (next == k) list_frontier(a, ws, next, next_list, counts + 1 - parity);
+    if (next == k) list_frontier(a, ws, first, next, next_list, counts + 1 - parity);
   } else if (take && needs_buffer(a)) {
     // The winner's experts enter the buffer: one thread per layer, so each layer's loads
     // and peak have one writer. Loads only grow, so the peak is a running max.

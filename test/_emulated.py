@@ -28,7 +28,7 @@ def build(folder: Path) -> ctypes.CDLL | None:
     p, i64, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
     lib.emu_select.restype = i64
     lib.emu_select.argtypes = [p] * 6 + [i64, p] + [i64] * 5 + [ctypes.c_int, f64, ctypes.c_bool]
-    lib.emu_select.argtypes += [i64, i64, f64, f64, f64, f64, f64, i64]
+    lib.emu_select.argtypes += [i64, i64, f64, f64, f64, f64, f64, f64, i64]
     lib.emu_error.restype = ctypes.c_char_p
     return lib
 
@@ -56,6 +56,7 @@ def select_emulated(
     step_cost=1.0,
     candidate_cost=0.0,
     candidate_decay=1.0,
+    min_score=0.0,
     shared_limit=1 << 30,
 ) -> tuple[torch.Tensor, int]:
     """``select_verify_set``'s CUDA kernel on the CPU (arguments as the op, converted as its
@@ -98,6 +99,7 @@ def select_emulated(
         step_cost,
         candidate_cost,
         candidate_decay,
+        min_score,
         shared_limit,
     )
     assert where >= 0, lib.emu_error().decode()

@@ -41,6 +41,7 @@ def python_greedy(
     step_cost=1.0,
     candidate_cost=0.0,
     candidate_decay=1.0,
+    min_score=0.0,
 ):
     """The selection rule written with Python sets: an independent check of the reference."""
     batch, num_nodes = scores.shape
@@ -94,6 +95,8 @@ def python_greedy(
         for i in range(num_nodes):
             p = int(parents[b, i])
             if i in chosen[b] or (p >= 0 and p not in chosen[b]):
+                continue
+            if float(scores[b, i]) < min_score:
                 continue
             priority, cost = float(scores[b, i]), 0.0
             if policy != "confidence":

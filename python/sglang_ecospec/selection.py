@@ -236,9 +236,10 @@ class EcoSpecSelector:
             dtype=torch.int16,
             device=device,
         )  # [Bmax * D, L, K]
-        # Policy "adaptive": which verify rows of the last selection copy a chosen leaf.
+        # Sets that may stop short ("adaptive", min_score): which verify rows of the last
+        # selection copy a chosen leaf.
         self.copy_rows = None
-        if self.options.policy == "adaptive":
+        if self.options.stops_short:
             self.copy_rows = torch.zeros(
                 max_batch, num_draft_tokens, dtype=torch.bool, device=device
             )  # [Bmax, D]
@@ -397,7 +398,7 @@ class EcoSpecSelector:
             live_recall=self.live_recall,
         )
         index = step.selected  # [B, D-1] ascending; complete, every candidate is reachable
-        adaptive = self.options.policy == "adaptive"
+        adaptive = self.options.stops_short
         if adaptive:  # SGLang's verify is fixed-width: unused slots copy a chosen leaf
             index = fill_unused_slots(index, weights, parents)
         draft_tokens = torch.gather(tokens, 1, index.clamp_min(0))  # [B, D-1]

@@ -115,6 +115,11 @@ class EcoSpecSettings:
             true new experts there (:class:`sgl_ecospec.predictors.LiveRecall`, fed from the
             verify routing), so that as that trust falls selection approaches "confidence".
             Needs policy "ecospec" or "adaptive".
+        min_score: >= 0, the lowest draft probability (cumulative along the path; the
+            calibrated one with ``calibrated_acceptance`` under "ecospec" and "adaptive") a
+            candidate needs to be verified; 0: no floor. With a floor a request may verify
+            fewer nodes than SGLang's fixed width, whose unused slots hold copies of a chosen
+            leaf (:mod:`sglang_ecospec.fixed_width`), as with "adaptive".
         num_buckets, prior_weight, halve_every: the online predictor's table size, prior
             pseudo-count and ageing period (see its docstring); ignored with predictor_file,
             which carries its own, and by the other predictors.
@@ -161,6 +166,7 @@ class EcoSpecSettings:
     predictor_file: str | None = None
     learn: bool = True
     recall_weighted_cost: bool = False
+    min_score: float = 0.0
     num_buckets: int = 4096
     prior_weight: float = 0.05
     halve_every: int = 0
@@ -244,7 +250,12 @@ class EcoSpecSettings:
         if total_weight is None and self.policy == "adaptive":
             total_weight = ADAPTIVE_EP_TOTAL_WEIGHT
         return SelectionOptions(
-            self.policy, eps, self.share_buffer, total_weight, step_cost=step_cost
+            self.policy,
+            eps,
+            self.share_buffer,
+            total_weight,
+            step_cost=step_cost,
+            min_score=self.min_score,
         )
 
     @property

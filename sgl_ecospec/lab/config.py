@@ -29,6 +29,8 @@ BENCH_POLICIES = (*POLICIES, *PEER_POLICIES)
 SWEEP_POLICIES = ("confidence", "ecospec", "ecospec-ep", "adaptive", *PEER_POLICIES)
 # bench --paired: the policies scored on their own steps against confidence's line.
 PAIRED_POLICIES = ("ecospec", "adaptive")
+# bench --min-score: EcoSpec's policies take the floor; the peers run as published.
+FLOORED_POLICIES = ("ecospec", "adaptive")
 # Policies gated per batch size: cascade by confidence's predicted speedup (Cascade's rule,
 # sweep_run.utility_gate), adaptive by its own run's (as the server's gate measures ECOSPEC's
 # own utility).
@@ -146,6 +148,7 @@ class BenchConfig(_Config):
     share_buffer: bool = True
     calibrated_acceptance: bool = False
     recall_weighted_cost: bool = False
+    min_score: float = 0.0
     target: str | None = None
     draft: str | None = None
     small: bool = False
@@ -191,6 +194,17 @@ class BenchConfig(_Config):
             SelectionOptions(eps=self.eps)  # the one eps rule, the op's
         except (TypeError, ValueError):
             raise ValueError(f"--eps must be > 0, got {self.eps}") from None
+        try:
+            SelectionOptions(min_score=self.min_score)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"--min-score must be a draft probability >= 0, got {self.min_score}"
+            ) from None
+        if self.min_score > 0 and not set(self.policies) & set(FLOORED_POLICIES):
+            raise ValueError(
+                f"--min-score floors {' and '.join(FLOORED_POLICIES)} only (the peers run as "
+                "published): list one of them with --policy"
+            )
         if self.save_predictor and self.predictor not in ONLINE_PREDICTORS:
             raise ValueError(
                 "--save-predictor writes the online predictor's table; use --predictor "
@@ -225,6 +239,7 @@ class BenchConfig(_Config):
             share_buffer=args.share_buffer,
             calibrated_acceptance=args.calibrated_acceptance,
             recall_weighted_cost=args.recall_weighted_cost,
+            min_score=args.min_score,
             **_model_fields(args),
             profile=get_model(args.profile).name,
             hardware=get_hardware(args.hardware).name,

@@ -29,6 +29,11 @@ With ``expert_rank`` (expert parallelism) DeltaCost is the rise of the busiest r
 expert count, per layer, plus ``total_weight`` times the rise of the other ranks' counts
 (docs/selection.md).
 
+With ``min_score`` > 0 a candidate whose score (cumulative draft probability) is below it
+is never taken, in every policy: verifying it costs experts for a token that is rarely
+accepted, so the set may stop short of ``budget``. Scores never rise from parent to child
+in SGLang's trees, so the floor cuts whole subtrees.
+
 Ties go to the lowest node index. When fewer than ``budget`` nodes are taken, the output
 row ends with -1 padding.
 """
@@ -76,6 +81,7 @@ class SelectionOptions:
     step_cost: float | None = None
     candidate_cost: float = 0.0
     candidate_decay: float = 1.0
+    min_score: float = 0.0
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -93,6 +99,8 @@ class SelectionOptions:
             raise ValueError(f"candidate_cost must be >= 0, got {self.candidate_cost}")
         if not 0 <= check_finite("candidate_decay", self.candidate_decay) <= 1:
             raise ValueError(f"candidate_decay must lie in [0, 1], got {self.candidate_decay}")
+        if check_finite("min_score", self.min_score) < 0:
+            raise ValueError(f"min_score must be >= 0, got {self.min_score}")
         if self.step_cost is not None:
             check_positive("step_cost", self.step_cost)
         elif self.policy == "adaptive":
@@ -113,7 +121,14 @@ class SelectionOptions:
             "step_cost": self.step_cost,
             "candidate_cost": self.candidate_cost,
             "candidate_decay": self.candidate_decay,
+            "min_score": self.min_score,
         }
+
+    @property
+    def stops_short(self) -> bool:
+        """A request's set may hold fewer than ``budget`` candidates ("adaptive", or a
+        ``min_score`` floor)."""
+        return self.policy == "adaptive" or self.min_score > 0
 
     def with_eps(self, eps: float) -> "SelectionOptions":
         """These options with another eps (e.g. the cost model's for this batch size)."""
@@ -138,6 +153,7 @@ def select_verify_set(
     step_cost: float | None = None,
     candidate_cost: float = 0.0,
     candidate_decay: float = 1.0,
+    min_score: float = 0.0,
     validate: bool = True,
     impl: str = "auto",
 ) -> torch.Tensor:
@@ -179,6 +195,7 @@ def select_verify_set(
             in the units of eps (0: nothing; ``selection_cost``'s ``candidate_cost``).
         candidate_decay: in [0, 1], the factor by which each candidate a request takes
             lowers its next one's ``candidate_cost`` share.
+        min_score: >= 0, the lowest score a candidate may have to be taken (0: any).
         validate: check values (NaN or negative scores, parents out of range, cycles, ranks
             out of range, negative or non-finite layer weights); costs host syncs on GPU.
             Shapes and dtypes are always checked.
@@ -198,6 +215,7 @@ def select_verify_set(
         step_cost,
         candidate_cost,
         candidate_decay,
+        min_score,
     )  # checks the scalar options
     _check_inputs(scores, parents, node_experts, budget, root_experts, layer_weights)
     placement = _check_placement(node_experts, expert_rank, num_ranks, total_weight)
@@ -230,6 +248,7 @@ def select_verify_set(
             step_cost,
             float(candidate_cost),
             float(candidate_decay),
+            float(min_score),
         )
     return select_verify_set_reference(
         scores,
@@ -248,6 +267,7 @@ def select_verify_set(
         step_cost=step_cost,
         candidate_cost=float(candidate_cost),
         candidate_decay=float(candidate_decay),
+        min_score=float(min_score),
     )
 
 

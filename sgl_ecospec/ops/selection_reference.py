@@ -35,6 +35,7 @@ def select_verify_set_reference(
     step_cost: float = 1.0,
     candidate_cost: float = 0.0,
     candidate_decay: float = 1.0,
+    min_score: float = 0.0,
 ) -> torch.Tensor:
     """Plain PyTorch version of :func:`select_verify_set` (same arguments, no validation;
     ``num_ranks`` and ``total_weight`` default as there).
@@ -46,6 +47,7 @@ def select_verify_set_reference(
     batch, num_nodes = scores.shape
     device = scores.device
     prob = scores.double()
+    eligible = prob >= min_score  # [B, N]: the floor, fixed for the whole selection
     parents = parents.long()
     weights = None if layer_weights is None else layer_weights.double()
     placement = None
@@ -80,7 +82,7 @@ def select_verify_set_reference(
         # instead of boolean indexing: no data-dependent shapes, no host sync.
         sel = selected[rows]  # view [B', N]
         parent = parents[rows]
-        available = (sel.gather(1, parent.clamp(min=0)) | (parent < 0)) & ~sel
+        available = (sel.gather(1, parent.clamp(min=0)) | (parent < 0)) & ~sel & eligible[rows]
         cost_beyond = eps + price[rows]  # [B', 1]
         if policy == "confidence":
             priority = prob[rows]

@@ -23,7 +23,7 @@ extern "C" int64_t emu_select(const double* prob, const int64_t* parents, const 
                               double eps, bool share_buffer, int64_t num_experts,
                               int64_t num_ranks, double total_weight, double step_tokens,
                               double step_cost, double candidate_cost, double candidate_decay,
-                              int64_t shared_limit) {
+                              double min_score, int64_t shared_limit) {
   using namespace sgl_ecospec;
   if (batch == 0) return 0;
   const bool ep = rank != nullptr;
@@ -50,6 +50,7 @@ extern "C" int64_t emu_select(const double* prob, const int64_t* parents, const 
   args.eps = eps;
   args.step_tokens = step_tokens;
   args.step_cost = step_cost;
+  args.min_score = min_score;
   args.candidate_cost = candidate_cost;
   args.candidate_decay = candidate_decay;
   args.ep = ep;

@@ -64,6 +64,7 @@ def select_args(**changes) -> list:
         step_cost=1.0,
         candidate_cost=0.0,
         candidate_decay=1.0,
+        min_score=0.0,
     )
     unknown = set(changes) - set(args)
     assert not unknown, unknown
@@ -141,6 +142,8 @@ SELECT_CASES = {
         ValueError,
         r"candidate_decay must lie in \[0, 1\]",
     ),
+    "min_score negative": (dict(min_score=-0.1), ValueError, "min_score must be finite and >= 0"),
+    "min_score nan": (dict(min_score=math.nan), ValueError, "min_score must be finite and >= 0"),
 }
 
 BITMAP_CASES = {

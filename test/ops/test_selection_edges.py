@@ -27,6 +27,29 @@ def test_adaptive_stops_when_the_next_node_lowers_the_rate(impl):
     assert out.tolist() == [[-1, -1, -1]]
 
 
+@pytest.mark.parametrize("policy", ["confidence", "ecospec", "adaptive"])
+def test_min_score_never_takes_a_node_below_the_floor(impl, policy):
+    # Nodes 0 -> 1 -> 2 a chain, node 3 a second child of the root. Node 3 adds no expert,
+    # so ecospec ranks it first (0.06 / 0.01 against 0.7 / 1.01) without a floor; at the
+    # floor 0.1 it is never taken, node 1 (exactly 0.1) is, and node 2 below it is cut with
+    # the rest of the chain.
+    scores = torch.tensor([[0.7, 0.1, 0.08, 0.06]])
+    parents = torch.tensor([[-1, 0, 1, -1]])
+    no_expert = torch.zeros_like(experts([1]))
+    node_experts = torch.stack([experts([1]), experts([2]), experts([3]), no_expert])[None]
+    kwargs = dict(policy=policy, eps=0.01, step_cost=1e6, impl=impl)
+    free = select_verify_set(scores, parents, node_experts, 4, **kwargs)
+    assert free.tolist() == [[0, 1, 2, 3]]
+    floored = select_verify_set(scores, parents, node_experts, 4, min_score=0.1, **kwargs)
+    assert floored.tolist() == [[0, 1, -1, -1]]
+    if policy == "ecospec":
+        first = select_verify_set(scores, parents, node_experts, 1, **kwargs)
+        assert first.tolist() == [[3]]
+        # The floor does not stop the set at a node below it: the next one above is taken.
+        first = select_verify_set(scores, parents, node_experts, 1, min_score=0.07, **kwargs)
+        assert first.tolist() == [[0]]
+
+
 @pytest.mark.parametrize("share_buffer", [False, True])
 def test_adaptive_prices_each_candidate_by_how_many_its_request_took(impl, share_buffer):
     # Chains with no predicted experts: a candidate costs eps + candidate_cost x decay^k,
@@ -205,6 +228,8 @@ def test_cycles_are_never_selected_without_validation(impl):
         (dict(policy="fastest"), ValueError, "policy must be one of"),
         (dict(eps=0.0), ValueError, "eps must be finite and > 0"),
         (dict(eps=math.inf), ValueError, "eps must be finite"),
+        (dict(min_score=-0.5), ValueError, "min_score must be >= 0"),
+        (dict(min_score=math.nan), ValueError, "min_score must be finite"),
         (dict(budget=-1), ValueError, "budget must be >= 0"),
         (dict(budget=2.0), TypeError, "budget must be an int"),
         (dict(scores=torch.zeros(1, 3)), ValueError, r"parents must have shape \(1, 3\)"),

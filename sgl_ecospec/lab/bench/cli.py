@@ -34,7 +34,13 @@ from sgl_ecospec.lab.bench.runs import (
     run_predictor,
 )
 from sgl_ecospec.lab.cli import add_command
-from sgl_ecospec.lab.config import BENCH_POLICIES, PAIRED_POLICIES, BenchConfig, with_models
+from sgl_ecospec.lab.config import (
+    BENCH_POLICIES,
+    FLOORED_POLICIES,
+    PAIRED_POLICIES,
+    BenchConfig,
+    with_models,
+)
 from sgl_ecospec.lab.datasets import DATASETS, load_prompts, render_chat
 from sgl_ecospec.ops.selection import DEFAULT_EPS
 
@@ -93,6 +99,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "length is reported either way)",
     )
     gen.add_argument(
+        "--min-score",
+        type=float,
+        default=0.0,
+        help="ecospec and adaptive verify no candidate whose draft probability is below this "
+        "(so a step may verify fewer than --budget; the peers run as published; default 0: "
+        "no floor)",
+    )
+    gen.add_argument(
         "--paired",
         action="store_true",
         help="score each ecospec and adaptive run at budget b against confidence at b, b - 1, "
@@ -142,6 +156,7 @@ def speculative_run(
         "eps": cfg.eps,
         **peers.spec_fields(policy, perf, cfg.batch_size, budget, cfg.steps),
     }
+    floor = {"min_score": cfg.min_score} if policy in FLOORED_POLICIES else {}
     exchange = None
     if policy == "adaptive":  # the cost model's eps and step account, the sweep's prices
         testbed = {k: getattr(engine, k) for k in ("num_layers", "num_experts", "top_k")}
@@ -153,6 +168,7 @@ def speculative_run(
         **tree,
         budget=budget,
         **selection,
+        **floor,
         calibrated_acceptance=cfg.calibrated_acceptance,
         recall_weighted_cost=cfg.recall_weighted_cost,
     )

@@ -47,6 +47,9 @@ class SpecConfig:
             the one before (``select_verify_set``; ``costmodel.selection_cost`` derives
             both). 0: nothing.
         candidate_decay: see ``candidate_cost``.
+        min_score: >= 0, candidates whose score (cumulative draft probability, or the
+            calibrated one with ``calibrated_acceptance``) is below it are never verified, in
+            every policy, so a step may verify fewer than ``budget`` (0: no floor).
         evict_seconds: "evict" (required there, and only there): budget + 1 predicted
             seconds > 0 of a step in which every request verifies its root and k
             candidates, k = 0..budget (``bench.peers.evict_step_seconds``).
@@ -78,6 +81,7 @@ class SpecConfig:
     step_cost: float | None = None
     candidate_cost: float = 0.0
     candidate_decay: float = 1.0
+    min_score: float = 0.0
     evict_seconds: tuple[float, ...] | None = None
     calibrated_acceptance: bool = False
     recall_weighted_cost: bool = False
@@ -107,6 +111,7 @@ class SpecConfig:
                 self.step_cost,
                 self.candidate_cost,
                 self.candidate_decay,
+                self.min_score,
             ),
         )
         if not isinstance(self.recall_weighted_cost, bool):
