@@ -194,7 +194,8 @@ class EcoSpecSettings:
         try:
             self.selection_options()
         except (TypeError, ValueError) as exc:
-            raise EcoSpecSettingsError(f"{exc} (eps may also be {AUTO!r})") from None
+            hint = f" (eps may also be {AUTO!r})" if str(exc).startswith("eps") else ""
+            raise EcoSpecSettingsError(f"{exc}{hint}") from None
         if self.predictor not in PREDICTORS:
             raise EcoSpecSettingsError(
                 f"predictor must be one of {PREDICTORS}, got {self.predictor!r}"

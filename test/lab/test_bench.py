@@ -55,6 +55,8 @@ def test_defaults_validate():
         (["--budgets", "1,x"], "--budgets must be comma-separated positive ints"),
         (["--plot"], "--plot draws experts against budget"),
         (["--eps", "0"], "--eps must be > 0"),
+        (["--min-score", "-0.1"], "--min-score must be a draft probability >= 0"),
+        (["--min-score", "0.1", "--policy", "confidence,evict"], "--min-score floors ecospec"),
         (["--batch-size", "0"], "--batch-size must be >= 1"),
         (["--num-prompts", "0"], "--num-prompts must be >= 1"),
         (["--target", "t"], "give both --target and --draft"),
@@ -364,6 +366,19 @@ def test_adaptive_selects_with_the_cost_model_and_the_measured_prices(fake_engin
     assert set(entry["expert_exchange"]) == {"prior", "rate", "others"}
     confidence = next(c for c in fake_engine.calls if c[0].policy == "confidence")
     assert confidence[3] is None and confidence[0].eps == 7
+
+
+def test_min_score_floors_ecospec_and_adaptive_not_the_peers(fake_engine, tmp_path):
+    path = tmp_path / "bench.json"
+    policies = "confidence,ecospec,adaptive,evict"
+    argv = ["--num-prompts", "2", "--budget", "2", "--policy", policies, "--min-score", "0.05"]
+    argv.append("--paired")
+    assert _run([*argv, "--json", str(path)]) == 0
+    floors = {c[0].policy: c[0].selection_options.min_score for c in fake_engine.calls}
+    assert floors == {"confidence": 0.0, "ecospec": 0.05, "adaptive": 0.05, "evict": 0.0}
+    compares = [c[4] for c in fake_engine.calls if c[0].policy == "ecospec"][0]
+    assert {c.selection_options.min_score for c in compares} == {0.0}  # confidence's line
+    assert json.loads(path.read_text())["config"]["min_score"] == 0.05
 
 
 def test_paired_scores_ecospec_against_confidence_at_b_and_below(fake_engine, tmp_path, capsys):

@@ -23,7 +23,8 @@ RUN_MAIN = (
 BENCH_KEYS = [
     "datasets", "num_prompts", "seed", "max_new_tokens", "batch_size", "topk", "steps",
     "candidates", "budget", "budgets", "policies", "predictor", "predictor_file", "eps",
-    "share_buffer", "calibrated_acceptance", "recall_weighted_cost", "target", "draft", "small",
+    "share_buffer", "calibrated_acceptance", "recall_weighted_cost", "min_score", "target",
+    "draft", "small",
     "device", "dtype", "profile", "hardware", "check_lossless", "save_predictor", "paired",
 ]  # fmt: skip
 SWEEP_KEYS = [
@@ -63,6 +64,7 @@ def test_bench_config_serializes_as_the_old_dict():
         "share_buffer": True,
         "calibrated_acceptance": False,
         "recall_weighted_cost": False,
+        "min_score": 0.0,
         "target": "/t",
         "draft": "/d",
         "small": False,

@@ -221,3 +221,23 @@ def test_recall_weighted_cost_is_the_librarys_rule_without_a_host_read(monkeypat
     calls.clear()
     assert torch.equal(plain.organize(*tree, 7)[1], got[1])  # trust 1: plain EcoSpec
     assert calls[0][1]["layer_weights"] is None
+
+
+def test_min_score_leaves_copies_in_the_fixed_width_verify():
+    # Two children of the root, P = 0.55 and 0.45; with the floor 0.5 only token 10 is
+    # verified, and the second of SGLang's fixed slots repeats it (marked a copy).
+    score_list = [torch.tensor([[[0.55, 0.45]]])]
+    token_list = [torch.tensor([[10, 11]])]
+    parents_list = [torch.tensor([[-1, 0, 1]])]
+    predictor = OnlineExpertPredictor(1, 8, 2, num_buckets=1 << 16)
+    for min_score, want, copies in [(0.0, [10, 11], [False] * 3), (0.5, [10, 10], [0, 0, 1])]:
+        settings = EcoSpecSettings(min_score=min_score, log_interval=0)
+        selector = selection.EcoSpecSelector(
+            settings, predictor, topk=2, num_draft_tokens=3, max_batch=2, device="cpu"
+        )
+        assert (selector.copy_rows is not None) == (min_score > 0)
+        selector.set_roots(torch.tensor([1]))
+        _, _, draft_tokens = selector.organize(score_list, token_list, parents_list, 3)
+        assert draft_tokens.tolist() == [want]
+        if selector.copy_rows is not None:
+            assert selector.copy_rows[0].tolist() == [bool(c) for c in copies]

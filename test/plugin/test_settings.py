@@ -164,6 +164,15 @@ def test_settings_predictors_of_the_catalog_and_recall_weighted_cost():
     assert EcoSpecSettings().recall_weighted_cost is False
 
 
+def test_settings_min_score():
+    assert EcoSpecSettings().selection_options().min_score == 0.0
+    settings = EcoSpecSettings.from_env({"SGLANG_ECOSPEC_MIN_SCORE": "0.05"})
+    assert settings.selection_options().min_score == 0.05
+    assert settings.selection_options().stops_short
+    with pytest.raises(EcoSpecSettingsError, match=r"min_score must be >= 0, got -1.0$"):
+        EcoSpecSettings.from_env({"SGLANG_ECOSPEC_MIN_SCORE": "-1"})
+
+
 def test_settings_calibrate_at_startup(tmp_path):
     assert EcoSpecSettings().calibrate is False
     alone = EcoSpecSettings.from_env(
