@@ -192,7 +192,8 @@ def fill_unused_slots(
     selected: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor
 ) -> torch.Tensor:
     """A verify set for a fixed-width verify pass (SGLang verifies
-    ``speculative_num_draft_tokens`` rows per request, however few "adaptive" chose).
+    ``speculative_num_draft_tokens`` rows per request, however few "adaptive" or a
+    ``min_score`` floor chose).
 
     Every unused slot holds a copy of a leaf of the request's chosen set (the highest-index
     chosen candidate without a chosen child). A copy has the leaf's token, ancestors and

@@ -1,4 +1,5 @@
-"""Set and size per step in SGLang's fixed-width verify (``policy=adaptive``).
+"""Set and size per step in SGLang's fixed-width verify (``policy=adaptive``, or a
+``min_score`` floor).
 
 SGLang verifies ``--speculative-num-draft-tokens`` rows per request in every step (one
 verify shape per CUDA graph), so a request cannot verify fewer nodes. The ``adaptive`` policy
@@ -7,7 +8,7 @@ step's expected tokens per predicted step cost (``sgl_ecospec.ops.select_verify_
 utility gate is the way to verify none). The slots it leaves unused hold copies of a chosen
 leaf (:func:`sgl_ecospec.step.fill_unused_slots`): a copy has the leaf's token, ancestors and
 position, so the target routes it to the leaf's experts and the step loads no expert the
-chosen nodes do not need.
+chosen nodes do not need. A ``min_score`` floor (any policy) leaves slots unused the same way.
 
 Verification must never count a copy: SGLang's tree sampling accepts a sibling by the running
 sum of the target's probabilities over the siblings it has tried, so a token tried twice

@@ -162,8 +162,8 @@ class EcoSpecRuntime:
             predictor=predictor,
         )
         self.verify_moe = None  # the verify-MoE kernel's route (setting verify_moe_kernel)
-        # Policy "adaptive": the copies in SGLang's fixed-width verify, checked by routing
-        # (totals read with each "EcoSpec:" line's statistics).
+        # Sets that stop short ("adaptive", min_score): the copies in SGLang's fixed-width
+        # verify, checked by routing (totals read with each "EcoSpec:" line's statistics).
         self.copy_check = None
         self._copy_reads: list = []  # host copies of copy_check.totals, one per request
         bindings = [
