@@ -398,12 +398,12 @@ class EcoSpecSelector:
             live_recall=self.live_recall,
         )
         index = step.selected  # [B, D-1] ascending; complete, every candidate is reachable
-        adaptive = self.options.stops_short
-        if adaptive:  # SGLang's verify is fixed-width: unused slots copy a chosen leaf
+        stops_short = self.options.stops_short
+        if stops_short:  # SGLang's verify is fixed-width: unused slots copy a chosen leaf
             index = fill_unused_slots(index, weights, parents)
         draft_tokens = torch.gather(tokens, 1, index.clamp_min(0))  # [B, D-1]
         predicted = step.verify_predicted  # [B, D, L, K]: root, then the chosen candidates
-        if adaptive or self.tp_sync is not None:
+        if stops_short or self.tp_sync is not None:
             # Rank 0's tree on every rank of the group; this rank's predictions of its rows.
             if self.tp_sync is not None:
                 parent_list, index, draft_tokens = self.tp_sync.broadcast_selection(
@@ -419,7 +419,7 @@ class EcoSpecSelector:
                 context = step.context[batch_index(rows), rows]  # [B, D]
                 self.verify_context[:verified].copy_(context.flatten())
             copies = None
-            if adaptive:  # for the tree hook and the routing check after the verify
+            if stops_short:  # for the tree hook and the routing check after the verify
                 copies = copy_rows(index)  # [B, D]
                 self.copy_rows[:batch].copy_(copies)
             if calibrated:  # the verified set (rank 0's), for learning after the verify
