@@ -57,7 +57,14 @@ class Capture:
     def __init__(self, path: str):
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.gates = [layer.mlp.gate for layer in self.model.model.layers]
+        layers = self.model.model.layers
+        dense = [i for i, layer in enumerate(layers) if not hasattr(layer.mlp, "gate")]
+        if dense:
+            raise ValueError(
+                f"{path!r}: layers {dense} have no MoE router (mlp.gate); this script measures "
+                "targets whose every layer is MoE, such as the testbed's"
+            )
+        self.gates = [layer.mlp.gate for layer in layers]
         self.top_k = self.model.config.num_experts_per_tok
         self._seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for i, gate in enumerate(self.gates):
@@ -179,6 +186,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if min(args.train_tokens, args.eval_prompts, args.new_tokens) < 1 or args.ridge <= 0:
         parser.error("--train-tokens, --eval-prompts, --new-tokens and --ridge must be > 0")
+    if args.table_weight < 0:
+        parser.error(f"--table-weight must be >= 0, got {args.table_weight}")
     torch.set_num_threads(args.threads)
     target = args.target or testbed_models(small=False)[0]
     capture = Capture(target)
@@ -191,8 +200,10 @@ def main(argv=None) -> int:
     for conversation in sharegpt_conversations(TRAIN_START + 4 * args.train_tokens // 256)[
         TRAIN_START:
     ]:
+        if total >= args.train_tokens:
+            break
         ids = render(capture.tokenizer, conversation)[:512]
-        if len(ids) >= 16 and total < args.train_tokens:
+        if len(ids) >= 16:
             train_ids.append(ids)
             total += len(ids)
     train = collect(capture, train_ids, [0] * len(train_ids))

@@ -68,6 +68,20 @@ def test_script_fits_and_reports_every_predictor_on_a_tiny_target(script, tmp_pa
     assert "| depth1+table |" in capsys.readouterr().out
 
 
-def test_script_rejects_a_nonpositive_ridge(script):
+@pytest.mark.parametrize("bad", [["--ridge", "0"], ["--table-weight", "-1"]])
+def test_script_rejects_bad_settings(script, bad):
     with pytest.raises(SystemExit):
-        script["main"](["--ridge", "0"])
+        script["main"](bad)
+
+
+def test_script_names_the_layers_without_a_router(script, tmp_path):
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=8, shared_expert_intermediate_size=8, mlp_only_layers=[1],
+    )  # fmt: skip
+    Qwen2MoeForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"layers \[1\] have no MoE router"):
+        script["Capture"](str(tmp_path))
