@@ -38,6 +38,7 @@ from sgl_ecospec.lab.config import testbed_models
 from sgl_ecospec.lab.datasets import load_prompts, render_chat
 from sgl_ecospec.lab.testbed.assets import sharegpt_conversations
 from sgl_ecospec.lab.testbed.data import render
+from sgl_ecospec.predictors import topk_recall
 
 # ShareGPT conversations from here on are in no testbed slice (calibration 0-800, evaluation
 # 800-1200, the draft's 1200-2400) and in no benchmark.
@@ -126,11 +127,11 @@ def features(data: dict, embed: torch.Tensor, layer: int, kind: str) -> torch.Te
     return torch.cat(parts, 1)
 
 
-def topk_hits(scores: torch.Tensor, routing: torch.Tensor, k: int) -> torch.Tensor:
-    """float32 ``[R]``: the share of each row's true experts (``routing`` ``[R, K]``) among
-    the top-k of ``scores`` ``[R, E]``."""
-    pred = torch.zeros_like(scores).scatter_(1, scores.topk(k, 1).indices, 1.0)
-    return pred.gather(1, routing).mean(1)
+def recall_of(scores: torch.Tensor, routing: torch.Tensor, k: int) -> float:
+    """:func:`topk_recall` of the top-k of ``scores`` float ``[R, E]`` against ``routing``
+    int64 ``[R, K]`` (one layer's rows)."""
+    pred = scores.topk(k, 1).indices
+    return topk_recall(pred[:, None], routing[:, None], scores.shape[1])
 
 
 def online_table(tokens: torch.Tensor, routing: torch.Tensor, num_experts: int):
@@ -228,11 +229,11 @@ def main(argv=None) -> int:
             weights = torch.linalg.solve(gram, f_train.T @ logits_train)
             fitted = (features(held, embed, layer, kind) @ weights).softmax(1)
             mixed = fitted + args.table_weight * table
-            recall.setdefault(kind, []).append(float(topk_hits(fitted, true, k).mean()))
-            recall.setdefault(f"{kind}+table", []).append(float(topk_hits(mixed, true, k).mean()))
+            recall.setdefault(kind, []).append(recall_of(fitted, true, k))
+            recall.setdefault(f"{kind}+table", []).append(recall_of(mixed, true, k))
             if kind == "token":
                 alone = torch.where(seen[:, None], table, fitted * 1e-3)
-                recall.setdefault("table", []).append(float(topk_hits(alone, true, k).mean()))
+                recall.setdefault("table", []).append(recall_of(alone, true, k))
         log(f"  layer {layer}: " + ", ".join(f"{n} {v[-1]:.3f}" for n, v in recall.items()))
 
     hidden, vocab = embed.shape[1], embed.shape[0]

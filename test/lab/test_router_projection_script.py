@@ -43,10 +43,10 @@ def test_features_read_the_tokens_and_anchor_each_kind_names(script):
     assert torch.equal(depth1[:, -1], torch.ones(2))
 
 
-def test_topk_hits_is_the_share_of_true_experts_in_the_top_k(script):
+def test_recall_of_is_the_share_of_true_experts_in_the_top_k(script):
     scores = torch.tensor([[0.9, 0.8, 0.1, 0.0], [0.0, 0.1, 0.2, 0.3]])
     routing = torch.tensor([[0, 2], [3, 2]])
-    assert script["topk_hits"](scores, routing, 2).tolist() == [0.5, 1.0]
+    assert script["recall_of"](scores, routing, 2) == 0.75  # rows 0.5 and 1.0
 
 
 def test_script_fits_and_reports_every_predictor_on_a_tiny_target(script, tmp_path, capsys):
