@@ -2,11 +2,15 @@
 
 C++ CPU ops are always built. CUDA sources (csrc/*.cu) are added when a CUDA toolkit and a
 CUDA build of torch are both present; SGL_ECOSPEC_CUDA=0 forces a CPU-only build and
-SGL_ECOSPEC_CUDA=1 makes a missing toolkit an error instead of a silent CPU-only build.
+SGL_ECOSPEC_CUDA=1 makes a missing toolkit an error instead of a silent CPU-only build. The
+CUDA code is sm_90 machine code (H100, H200) plus compute_90 PTX, which the driver compiles
+at load time for newer architectures. SGL_ECOSPEC_NVCC_FLAGS adds nvcc flags (for example
+"-lineinfo" for compute-sanitizer's source lines, "-Xptxas -v" for the register report).
 """
 
 import os
 import platform
+import shlex
 from pathlib import Path
 
 from setuptools import find_packages, setup
@@ -47,6 +51,12 @@ def _torch_has_cuda() -> bool:
     return torch.version.cuda is not None
 
 
+def _nvcc_flags() -> list[str]:
+    extra = shlex.split(os.environ.get("SGL_ECOSPEC_NVCC_FLAGS", ""))
+    arch = ["-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_90,code=compute_90"]
+    return ["-O3", "-std=c++20", *arch, *extra]
+
+
 def _extension():
     # ATen's parallel_for only runs in parallel when the caller is compiled with OpenMP.
     cxx_flags = ["-O3", "-std=c++20", "-fopenmp"]
@@ -60,7 +70,7 @@ def _extension():
             sources,
             extra_compile_args={
                 "cxx": cxx_flags,
-                "nvcc": ["-O3", "-std=c++20", "-gencode=arch=compute_90,code=sm_90"],
+                "nvcc": _nvcc_flags(),
             },
             extra_link_args=["-fopenmp"],
         )

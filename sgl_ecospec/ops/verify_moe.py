@@ -3,9 +3,11 @@
 A verify batch has few tokens (B x verified nodes) spread over many experts, so the layer
 is memory-bound: its time is the bytes of the experts it touches. The Triton path groups
 the (token, expert) pairs by expert and gives each active expert one column of programs
-that read its weight tiles once for all of its tokens; inactive experts' programs exit at
-once. As a by-product it writes the step's routing bitmap (which experts were loaded), the
-quantity EcoSpec's buffer and predictor work with, into a new tensor or a persistent one
+that read its weight tiles once for all of its tokens (up to ``BLOCK_M_MAX`` tokens per call;
+beyond that once per ``BLOCK_M_MAX`` pairs); inactive experts' programs exit at once. Weight
+offsets are 64-bit (``expert_tile_offsets``): E x 2I x H passes 2^31 elements on large models.
+As a by-product it writes the step's routing bitmap (which experts were loaded), the quantity
+EcoSpec's buffer and predictor work with, into a new tensor or a persistent one
 (``bitmap_out``).
 
 Padded rows (expert id -1, SGLang's mask for the padding of a graph batch) load no expert,
@@ -16,7 +18,7 @@ argsort, scatter-add and cumsum; the launch grids depend on shapes only; the pad
 mask), so a call can be captured with static shapes and replayed on new inputs written in
 place, the bitmap going to ``bitmap_out``. Proved on the CPU (``test/ops/test_verify_moe.py``:
 a ``make_fx`` trace of the host side replays on new routing); the capture itself is checked
-by ``scripts/gpu_graph_check.py``, which has not run on a GPU yet.
+by the device check (``scripts/gpu_check.sh``).
 
 Shape legend: T = tokens, H = hidden size, I = expert intermediate size, E = experts,
 K = experts per token, P = T * K (token, expert) pairs, W = ceil(E / 64).
@@ -157,85 +159,79 @@ def _sum_pairs(per_pair: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     return rows.sum(1)
 
 
-def _verify_moe_triton(
-    hidden, w13, w2, topk_ids, topk_weights, bitmap_out=None, block_m=16, block_n=64, block_k=64
-):
+# A program keeps up to this many of its expert's pairs in registers, so each weight tile is
+# read once per call for up to BLOCK_M_MAX tokens (an expert has at most T pairs: a token
+# picks an expert once), and once per BLOCK_M_MAX pairs beyond that.
+BLOCK_M_MAX = 64
+
+
+def pairs_per_program(tokens: int) -> int:
+    """BLOCK_M for a call with ``tokens`` tokens: the next power of two at least T, within
+    [16, BLOCK_M_MAX] (``tl.dot`` needs 16 rows). A shape, not a value: graph-safe."""
+    return min(BLOCK_M_MAX, max(16, 1 << max(0, tokens - 1).bit_length()))
+
+
+def _verify_moe_triton(hidden, w13, w2, topk_ids, topk_weights, bitmap_out=None):
     tokens, hidden_size = hidden.shape
     experts, two_inter, _ = w13.shape
     inter = two_inter // 2
     top_k = topk_ids.shape[1]
-    hidden, w13, w2 = hidden.contiguous(), w13.contiguous(), w2.contiguous()
-    pairs, starts = _group_by_expert(topk_ids, experts)
-    weights = topk_weights.reshape(-1).float().contiguous()
-    act = torch.empty((tokens * top_k, inter), dtype=torch.float32, device=hidden.device)
-    per_pair = torch.empty((tokens * top_k, hidden_size), dtype=torch.float32, device=hidden.device)
     step = bitmap_out
     if step is None:
         step = torch.empty(num_words(experts), dtype=torch.int64, device=hidden.device)
-    assert hidden.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
+    if tokens == 0:
+        return hidden.new_empty((0, hidden_size)), step.zero_()
+    hidden, w13, w2 = hidden.contiguous(), w13.contiguous(), w2.contiguous()
+    pairs, starts = _group_by_expert(topk_ids, experts)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    # 16-bit activations stay 16-bit between the projections (as in SGLang's fused MoE), so
+    # the down projection runs on tensor cores; float32 stays float32 (IEEE dots).
+    act = torch.empty((tokens * top_k, inter), dtype=hidden.dtype, device=hidden.device)
+    per_pair = torch.empty((tokens * top_k, hidden_size), dtype=torch.float32, device=hidden.device)
+    block_m, block_n, block_k = pairs_per_program(tokens), 64, 64
+    ieee = hidden.dtype == torch.float32
     _expert_gate_up_kernel[(experts, triton.cdiv(inter, block_n))](
-        hidden,
-        w13,
-        act,
-        pairs,
-        starts,
-        step,
-        hidden_size,
-        inter,
-        top_k,
-        hidden.stride(0),
-        w13.stride(0),
-        w13.stride(1),
-        act.stride(0),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-    )
+        hidden, w13, act, pairs, starts, step,
+        hidden_size, inter, top_k,
+        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee,
+    )  # fmt: skip
     _expert_down_kernel[(experts, triton.cdiv(hidden_size, block_n))](
-        act,
-        w2,
-        per_pair,
-        pairs,
-        starts,
-        weights,
-        hidden_size,
-        inter,
-        act.stride(0),
-        w2.stride(0),
-        w2.stride(1),
-        per_pair.stride(0),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-    )
+        act, w2, per_pair, pairs, starts, weights,
+        hidden_size, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee,
+    )  # fmt: skip
     return _sum_pairs(per_pair, topk_ids).to(hidden.dtype), step
 
 
 if triton is not None:
 
     @triton.jit
+    def expert_tile_offsets(e, offs_k, offs_n, stride_e, stride_n):
+        """int64 ``[BLOCK_K, BLOCK_N]``: offsets of columns ``offs_k`` of rows ``offs_n`` of
+        expert ``e``'s weight matrix. 64-bit, since E x 2I x H passes 2^31 elements for
+        DeepSeek-V3, Qwen3-Coder-480B or Kimi-K2 at TP1 (a program id is int32)."""
+        return (
+            e.to(tl.int64) * stride_e
+            + offs_n.to(tl.int64)[None, :] * stride_n
+            + offs_k.to(tl.int64)[:, None]
+        )
+
+    @triton.jit
+    def _dot(a, b, acc, IEEE: tl.constexpr):
+        # float32 operands: IEEE products (the reference's precision); 16-bit: tensor cores.
+        if IEEE:
+            return tl.dot(a, b, acc, input_precision="ieee")
+        return tl.dot(a, b, acc)
+
+    @triton.jit
     def _expert_gate_up_kernel(
-        # Pointers
-        x_ptr,
-        w13_ptr,
-        act_ptr,
-        pairs_ptr,
-        starts_ptr,
-        step_ptr,
-        # Sizes
-        hidden,
-        inter,
-        top_k,
-        # Strides
-        stride_x_t,
-        stride_w_e,
-        stride_w_n,
-        stride_act_p,
-        # Constants
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
+        x_ptr, w13_ptr, act_ptr, pairs_ptr, starts_ptr, step_ptr,
+        hidden, inter, top_k,
+        stride_x_t, stride_w_e, stride_w_n, stride_act_p,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    ):  # fmt: skip
         """Program (e, n): act[p, n-tile] = silu(x_p . gate) * (x_p . up) for expert e's pairs;
         program (64 w, 0) also writes word w of the step bitmap."""
         e = tl.program_id(0)
@@ -257,7 +253,7 @@ if triton is not None:
             for m0 in range(start, end, BLOCK_M):
                 offs_m = m0 + tl.arange(0, BLOCK_M)
                 mask_m = offs_m < end
-                pair = tl.load(pairs_ptr + offs_m, mask=mask_m, other=0)
+                pair = tl.load(pairs_ptr + offs_m, mask=mask_m, other=0)  # int64
                 token = pair // top_k
                 acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -270,50 +266,26 @@ if triton is not None:
                         other=0.0,
                     )
                     w_mask = mask_k[:, None] & mask_n[None, :]
-                    w_gate = tl.load(
-                        w13_ptr + e * stride_w_e + offs_n[None, :] * stride_w_n + offs_k[:, None],
-                        mask=w_mask,
-                        other=0.0,
-                    )
-                    w_up = tl.load(
-                        w13_ptr
-                        + e * stride_w_e
-                        + (offs_n[None, :] + inter) * stride_w_n
-                        + offs_k[:, None],
-                        mask=w_mask,
-                        other=0.0,
-                    )
-                    acc_gate = tl.dot(x, w_gate, acc_gate, input_precision="ieee")
-                    acc_up = tl.dot(x, w_up, acc_up, input_precision="ieee")
+                    gate = expert_tile_offsets(e, offs_k, offs_n, stride_w_e, stride_w_n)
+                    up = expert_tile_offsets(e, offs_k, offs_n + inter, stride_w_e, stride_w_n)
+                    w_gate = tl.load(w13_ptr + gate, mask=w_mask, other=0.0)
+                    w_up = tl.load(w13_ptr + up, mask=w_mask, other=0.0)
+                    acc_gate = _dot(x, w_gate, acc_gate, IEEE)
+                    acc_up = _dot(x, w_up, acc_up, IEEE)
                 act = acc_gate * tl.sigmoid(acc_gate) * acc_up
                 tl.store(
                     act_ptr + pair[:, None] * stride_act_p + offs_n[None, :],
-                    act,
+                    act.to(act_ptr.dtype.element_ty),
                     mask=mask_m[:, None] & mask_n[None, :],
                 )
 
     @triton.jit
     def _expert_down_kernel(
-        # Pointers
-        act_ptr,
-        w2_ptr,
-        out_ptr,
-        pairs_ptr,
-        starts_ptr,
-        weights_ptr,
-        # Sizes
-        hidden,
-        inter,
-        # Strides
-        stride_act_p,
-        stride_w_e,
-        stride_w_h,
-        stride_out_p,
-        # Constants
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
+        act_ptr, w2_ptr, out_ptr, pairs_ptr, starts_ptr, weights_ptr,
+        hidden, inter,
+        stride_act_p, stride_w_e, stride_w_h, stride_out_p,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    ):  # fmt: skip
         """Program (e, h-tile): out[p, h-tile] = weight_p * act_p . down for expert e's pairs."""
         e = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -325,7 +297,7 @@ if triton is not None:
             for m0 in range(start, end, BLOCK_M):
                 offs_m = m0 + tl.arange(0, BLOCK_M)
                 mask_m = offs_m < end
-                pair = tl.load(pairs_ptr + offs_m, mask=mask_m, other=0)
+                pair = tl.load(pairs_ptr + offs_m, mask=mask_m, other=0)  # int64
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for k0 in range(0, inter, BLOCK_K):
                     offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -335,12 +307,9 @@ if triton is not None:
                         mask=mask_m[:, None] & mask_k[None, :],
                         other=0.0,
                     )
-                    w = tl.load(
-                        w2_ptr + e * stride_w_e + offs_n[None, :] * stride_w_h + offs_k[:, None],
-                        mask=mask_k[:, None] & mask_n[None, :],
-                        other=0.0,
-                    )
-                    acc = tl.dot(a, w.to(tl.float32), acc, input_precision="ieee")
+                    down = expert_tile_offsets(e, offs_k, offs_n, stride_w_e, stride_w_h)
+                    w = tl.load(w2_ptr + down, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+                    acc = _dot(a, w, acc, IEEE)
                 weight = tl.load(weights_ptr + pair, mask=mask_m, other=0.0)
                 tl.store(
                     out_ptr + pair[:, None] * stride_out_p + offs_n[None, :],

@@ -10,18 +10,27 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from sgl_ecospec.ops.bitmaps import num_words
 from sgl_ecospec.ops.verify_moe import (
+    BLOCK_M_MAX,
     _group_by_expert,
     _sum_pairs,
+    pairs_per_program,
+    triton,
     verify_moe,
     verify_moe_reference,
 )
+
+if triton is not None:
+    import triton.language as tl
+
+    from sgl_ecospec.ops.verify_moe import expert_tile_offsets
 
 CASES = [
     # tokens, hidden, inter, experts, top_k, dtype, shared (all tokens on the same experts),
     # padded rows at the end (expert id -1, as SGLang pads a graph batch)
     (1, 64, 32, 64, 4, "float32", False, 0),
     (5, 64, 32, 70, 4, "float32", False, 0),  # E not a multiple of 64
-    (20, 32, 16, 130, 8, "float32", True, 0),  # 20 tokens per expert > BLOCK_M = 16
+    (20, 32, 16, 130, 8, "float32", True, 0),  # 20 tokens per expert: BLOCK_M = 32
+    (70, 32, 16, 16, 2, "float32", True, 0),  # 70 pairs per expert > BLOCK_M_MAX: two passes
     (3, 48, 40, 16, 1, "float16", False, 0),  # sizes that are not multiples of the blocks
     (6, 64, 32, 70, 4, "float32", False, 2),  # a graph batch with 2 padded rows
     (4, 32, 16, 130, 2, "float16", True, 1),
@@ -37,7 +46,7 @@ def make_inputs(tokens, hidden, inter, experts, top_k, dtype, shared, padded, se
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
     w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter**0.5).to(dtype)
-    if shared:
+    if shared or not tokens:
         ids = torch.randperm(experts, generator=gen)[:top_k].repeat(tokens, 1)
     else:
         ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
@@ -74,6 +83,30 @@ def test_reference_writes_bitmap_out():
     ref, ref_step = verify_moe_reference(x, w13, w2, ids, weights)
     assert step is buffer and torch.equal(buffer, ref_step) and torch.equal(out, ref)
     assert (out[3:] == 0).all()
+
+
+def check_no_tokens(impl: str) -> None:
+    """T = 0: an empty output and an all-zero bitmap (a stale persistent one overwritten)."""
+    x, w13, w2, ids, weights = make_inputs(0, 16, 8, 70, 3, "float32", False, 0)
+    out, step = verify_moe(x, w13, w2, ids, weights, impl=impl)
+    assert out.shape == (0, 16) and out.dtype == x.dtype
+    assert torch.equal(step, torch.zeros(2, dtype=torch.int64))
+    buffer = torch.full((2,), -1, dtype=torch.int64)
+    assert verify_moe(x, w13, w2, ids, weights, bitmap_out=buffer, impl=impl)[1] is buffer
+    assert torch.equal(buffer, torch.zeros(2, dtype=torch.int64))
+
+
+def test_reference_on_no_tokens():
+    check_no_tokens("reference")
+
+
+@pytest.mark.parametrize(
+    "tokens, block_m", [(0, 16), (1, 16), (16, 16), (17, 32), (33, 64), (64, 64), (65, 64)]
+)
+def test_pairs_per_program_covers_every_token_up_to_the_cap(tokens, block_m):
+    # An expert has at most T pairs, so BLOCK_M >= T means one pass over its weights.
+    assert pairs_per_program(tokens) == block_m
+    assert block_m >= min(tokens, BLOCK_M_MAX)
 
 
 def test_bad_shapes_are_rejected():
@@ -157,9 +190,40 @@ def test_host_side_traced_once_replays_on_new_routing():
 # --- the kernel under Triton's interpreter ---------------------------------------------------
 
 
+if triton is not None:
+
+    @triton.jit
+    def _last_tile_offsets(out_ptr, int32_ptr, stride_e, stride_n, first_k, first_n):
+        """Program e: the largest offset of expert e's last 16 x 16 tile, and e x stride_e
+        computed from the program id alone (int32)."""
+        e = tl.program_id(0)
+        offs = expert_tile_offsets(
+            e, first_k + tl.arange(0, 16), first_n + tl.arange(0, 16), stride_e, stride_n
+        )
+        tl.store(out_ptr + e, tl.max(tl.max(offs, axis=1), axis=0))
+        tl.store(int32_ptr + e, e * stride_e)
+
+
+def check_offsets_are_64_bit() -> None:
+    """``expert_tile_offsets`` at DeepSeek-V3's TP1 w13 (E = 256, 2I = 4096, H = 7168:
+    E x 2I x H = 7.5e9 > 2^31 elements), computed by programs 0..255 as the kernels do,
+    equals Python's integers; the same product in the program id's int32 wraps, so the
+    check tells a 64-bit offset from a 32-bit one."""
+    experts, rows, hidden = 256, 4096, 7168
+    got = torch.zeros(experts, dtype=torch.int64)
+    int32 = torch.zeros(experts, dtype=torch.int64)
+    _last_tile_offsets[(experts,)](got, int32, rows * hidden, hidden, hidden - 16, rows - 16)
+    expected = torch.tensor([e * rows * hidden + rows * hidden - 1 for e in range(experts)])
+    assert torch.equal(got, expected), (got[-3:], expected[-3:])
+    assert int(expected[-1]) > 2**31 and int(int32[-1]) != (experts - 1) * rows * hidden
+
+
 def compare_with_triton() -> int:
     """Runs in a fresh interpreter with TRITON_INTERPRET=1: every case through the Triton
-    path, with a new bitmap and with a stale persistent one, against the reference."""
+    path, with a new bitmap and with a stale persistent one, against the reference; then
+    T = 0 and the 64-bit weight offsets (two more checks in the count)."""
+    check_no_tokens("triton")
+    check_offsets_are_64_bit()
     for case in CASES:
         inputs = make_inputs(*case)
         ref, ref_step = verify_moe_reference(*inputs)
@@ -174,11 +238,11 @@ def compare_with_triton() -> int:
         padded = case[-1]
         if padded:
             assert (out[-padded:] == 0).all() and out.isfinite().all(), case
-    return len(CASES)
+    return len(CASES) + 2
 
 
 def test_triton_kernel_matches_reference_under_interpreter():
-    assert compared_under_interpreter(__file__) == len(CASES)
+    assert compared_under_interpreter(__file__) == len(CASES) + 2
 
 
 # On a GPU every case also in bf16 (the interpreter cannot multiply bf16).
