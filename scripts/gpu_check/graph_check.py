@@ -1,34 +1,22 @@
-"""CUDA-graph check of the device check (scripts/gpu_check.sh via scripts/gpu_bench.py):
-captures the selection op, the online predictor's prediction, the whole selection step and
-the verify-MoE kernel (bf16, its bitmap into a persistent buffer) once each, then changes
-their persistent inputs in place (new scores, parents, bitmaps, placement, tokens, predictor
+"""The CUDA-graph checks of the device check's correctness stage (correctness.py): captures
+the selection op, the online predictor's prediction, the whole selection step and the
+verify-MoE kernel (bf16, its bitmap into a persistent buffer) once each, then changes their
+persistent inputs in place (new scores, parents, bitmaps, placement, tokens, predictor
 tables, hidden states and routing with padded rows), replays, and compares every replay with
 an eager call on the new state, and the selection and the MoE with their references (the
-MoE within a bf16 tolerance). Any mismatch fails the check.
-
-    python3 scripts/gpu_graph_check.py --out $OUT          # on the GPU machine
-    python3 scripts/gpu_graph_check.py --device cpu --out /tmp/x
-                                     # logic check: "replay" calls the function again
-
-Writes graph_check.json into --out; exits 1 on a mismatch.
+MoE within a bf16 tolerance). On the CPU (a dry run) "replay" calls the function again: that
+checks this module's logic, not graph capture.
 """
 
-import argparse
-import json
-import sys
-from pathlib import Path
-
 import torch
+from selection_cases import rank_major_placement, selection_kwargs, sglang_tree
 
-sys.path.insert(0, str(Path(__file__).parent))
-from gpu_bench_selection import rank_major_placement, selection_kwargs, sglang_tree  # noqa: E402
-
-from sgl_ecospec import select_verify_set  # noqa: E402
-from sgl_ecospec.ops.selection import SelectionOptions  # noqa: E402
-from sgl_ecospec.ops.selection_reference import select_verify_set_reference  # noqa: E402
-from sgl_ecospec.ops.verify_moe import verify_moe, verify_moe_reference  # noqa: E402
-from sgl_ecospec.predictors.online import OnlineExpertPredictor  # noqa: E402
-from sgl_ecospec.step import Placement, select_step  # noqa: E402
+from sgl_ecospec import select_verify_set
+from sgl_ecospec.ops.selection import SelectionOptions
+from sgl_ecospec.ops.selection_reference import select_verify_set_reference
+from sgl_ecospec.ops.verify_moe import verify_moe, verify_moe_reference
+from sgl_ecospec.predictors.online import OnlineExpertPredictor
+from sgl_ecospec.step import Placement, select_step
 
 
 class Captured:
@@ -276,27 +264,3 @@ def failures(results: list[dict]) -> list[dict]:
     """Failed checks: a replay that differs from the eager call or the reference, or one
     that never changed with its inputs (a graph reading stale buffers)."""
     return [r for r in results if not (r["ok"] and r["inputs_changed_output"])]
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="small sizes")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("error: no GPU visible; use --device cpu for a logic check", file=sys.stderr)
-        return 2
-    results = run_checks(device, args.tiny or device.type == "cpu")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "graph_check.json").write_text(json.dumps(results, indent=2))
-    failed = failures(results)
-    if failed:
-        print(f"error: CUDA-graph replay mismatches: {failed}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,29 +1,29 @@
-"""Selection timings of the device check (scripts/gpu_bench.py): ``select_verify_set`` on
-draft trees shaped as SGLang's EAGLE trees, per request and with the batch-shared buffer,
-with and without expert parallelism, every result compared with the reference.
+"""The selection cases of the device check (scripts/gpu_check.sh): draft trees shaped as
+SGLang's EAGLE trees, per request and with the batch-shared buffer, with and without expert
+parallelism, and the op under test: the CUDA kernel on a GPU, or its own source under the CPU
+emulation (test/ops/cuda_emulator.h) in a dry run.
 
 Shapes: topk 4, 3 draft steps -> N = 4 + 2 x 16 = 36 candidates per request; ndt 8 -> budget
 7; 8 experts per token; Qwen3-235B (L = 94, E = 128) and DeepSeek-V3 (L = 58, E = 256);
 EP over 8 ranks with SGLang's rank-major placement (rank r holds experts [r E/8, (r+1) E/8)).
-Each row gives microseconds per call, medians of CUDA-event timings after warm-up: of an
-eager call (the Python API, the launcher and the kernel, as the GPU sees them) and of the
-replay of a CUDA graph holding the call (the device time, as inside SGLang's draft graph).
 """
 
-import time
+import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
 from sgl_ecospec import select_verify_set
-from sgl_ecospec.ops.selection_reference import select_verify_set_reference
 from sgl_ecospec.synthetic import DraftTree, random_draft_tree
 
 SHAPES = {"qwen3-235b-a22b": (94, 128), "deepseek-v3": (58, 256)}
 TINY_SHAPES = {"tiny": (4, 70)}
+TEST_DIR = Path(__file__).resolve().parents[2] / "test"
 EXPERTS_PER_TOKEN = 8
 EP_RANKS = 8
-# Issue 14: the batch-shared selection at B = 64, ndt 8 must take at most this long, or it
-# eats what it saves in the verify pass.
+# The batch-shared selection at B = 64, ndt 8 must take at most this long (graph replay), or
+# it eats what it saves in the verify pass.
 TARGET_US = 30.0
 TARGET_BATCH = 64
 # (policy, share_buffer, with EP); "adaptive" is priced with step_cost = 20 L.
@@ -82,106 +82,47 @@ def selection_kwargs(policy, shared, ep, layers, experts, ranks=EP_RANKS) -> dic
     return kwargs
 
 
-def event_median_us(fn, repeats: int, warmup: int = 5) -> float:
-    """Median microseconds of ``fn()`` between two CUDA events, after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
+def on_device(kwargs: dict, device: torch.device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
 
 
-def cpu_median_us(fn, repeats: int) -> float:
-    """Median microseconds of ``fn()`` by the host clock, after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return sorted(times)[len(times) // 2]
+class KernelUnderTest:
+    """``select_verify_set``'s CUDA kernel: on the GPU through the op, or in a dry run its
+    own source compiled against the CPU emulation (built once). Called like the op on CPU
+    tensors (``impl="native"`` on the CPU is the C++ op, the comparison's other side)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.emulation = device, None
+        if device.type == "cpu":
+            sys.path.insert(0, str(TEST_DIR))
+            from _emulated import build, select_emulated
+
+            self.emulation = build(Path(tempfile.mkdtemp(prefix="gpu_check_emu_")))
+            if self.emulation is None:
+                raise SystemExit("the dry run needs a C++ compiler for the CUDA emulation")
+            self._select_emulated = select_emulated
+
+    def __call__(self, scores, parents, node_experts, budget, **kwargs) -> torch.Tensor:
+        """int64 ``[B, budget]`` on the CPU."""
+        if self.emulation is not None:
+            kwargs.pop("validate", None)
+            return self._select_emulated(
+                self.emulation, scores, parents, node_experts, budget, **kwargs
+            )[0]
+        tensors = (t.to(self.device) for t in (scores, parents, node_experts))
+        return select_verify_set(
+            *tensors, budget, impl="native", **on_device(kwargs, self.device)
+        ).cpu()
 
 
-def graph_of(fn):
-    """``fn`` captured once in a CUDA graph (after warm-up on a side stream); returns the
-    graph, whose replay reruns ``fn`` on the same buffers."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
-def bench_selection(device: torch.device, batches, repeats: int, tiny: bool) -> list[dict]:
-    """One row per (shapes, config, batch): times and whether the op equals the reference."""
-    topk, steps, budget = (2, 2, 3) if tiny else (4, 3, 7)
-    ranks = 2 if tiny else EP_RANKS
-    rows = []
-    for model, (layers, experts) in (TINY_SHAPES if tiny else SHAPES).items():
-        for batch in batches:
-            tree = sglang_tree(batch, topk, steps, layers, experts, EXPERTS_PER_TOKEN, seed=batch)
-            cpu_args = (tree.scores, tree.parents, tree.node_experts, budget)
-            dev_args = [t.to(device) for t in cpu_args[:3]] + [budget]
-            roots = tree.root_experts.to(device)
-            for policy, shared, ep in CONFIGS:
-                kwargs = selection_kwargs(policy, shared, ep, layers, experts, ranks)
-                on_device = {
-                    k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()
-                }
-
-                def run(on_device=on_device, dev_args=dev_args, roots=roots):
-                    return select_verify_set(
-                        *dev_args, root_experts=roots, validate=False, **on_device
-                    )
-
-                expected = select_verify_set_reference(
-                    *cpu_args, root_experts=tree.root_experts, **kwargs
-                )
-                matches = bool(torch.equal(run().cpu(), expected))
-                if device.type == "cuda":
-                    eager = event_median_us(run, repeats)
-                    graph = graph_of(run)
-                    replay = event_median_us(graph.replay, repeats)
-                else:
-                    eager, replay = cpu_median_us(run, repeats), None
-                row = dict(
-                    model=model,
-                    layers=layers,
-                    num_experts=experts,
-                    candidates=tree.scores.shape[1],
-                    budget=budget,
-                    batch=batch,
-                    policy=policy,
-                    share_buffer=shared,
-                    ep_ranks=ranks if ep else None,
-                    eager_us=eager,
-                    graph_us=replay,
-                    matches_reference=matches,
-                )
-                rows.append(row)
-                graph_text = "-" if replay is None else f"{replay:9.1f}"
-                print(
-                    f"select {model:16} {policy:10} shared={shared!s:5} ep={ep!s:5} "
-                    f"B={batch:3} eager {eager:9.1f} us graph {graph_text} us "
-                    f"matches={matches}",
-                    flush=True,
-                )
-    return rows
+def cpu_op(scores, parents, node_experts, budget, **kwargs) -> torch.Tensor:
+    """The C++ CPU op: the fast side of every comparison (equal to the reference, tested in
+    every CI run)."""
+    return select_verify_set(scores, parents, node_experts, budget, impl="native", **kwargs)
 
 
 def target_verdict(rows: list[dict]) -> str:
-    """The issue-14 target on the shared-buffer rows at B = 64 (graph replay times)."""
+    """The target on the shared-buffer rows at B = 64 (graph replay times)."""
     shared = [
         r
         for r in rows
@@ -205,17 +146,17 @@ def markdown(rows: list[dict]) -> list[str]:
         f"## Selection (SGLang-shaped trees: N = {first['candidates']} candidates, budget "
         f"{first['budget']}, {EXPERTS_PER_TOKEN} experts per token; EP: rank-major placement)",
         "",
-        f"Target (issue 14): the batch-shared selection at B = {TARGET_BATCH}, ndt 8, in at most "
+        f"Target: the batch-shared selection at B = {TARGET_BATCH}, ndt 8, in at most "
         f"{TARGET_US:.0f} us per call (graph replay): {target_verdict(rows)}.",
         "",
         "| shapes | policy | shared | EP ranks | B | eager (us) | graph replay (us) | "
-        "equals reference |",
+        "equals the C++ op |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         graph = "-" if r["graph_us"] is None else f"{r['graph_us']:.1f}"
         lines.append(
             f"| {r['model']} | {r['policy']} | {r['share_buffer']} | {r['ep_ranks'] or '-'} | "
-            f"{r['batch']} | {r['eager_us']:.1f} | {graph} | {r['matches_reference']} |"
+            f"{r['batch']} | {r['eager_us']:.1f} | {graph} | {r['matches_cpu_op']} |"
         )
     return lines
