@@ -1,10 +1,13 @@
 """Stage "sanitizer" of the device check: sanitizer_driver.py under compute-sanitizer's
 memcheck, racecheck and synccheck, one process each (the extension built with -lineinfo, so
-reports name source lines). A tool passes when it exits 0 with "ERROR SUMMARY: 0 errors".
+reports name source lines). A tool passes when it exits 0 and its summary line counts no
+error ("ERROR SUMMARY: 0 errors"; racecheck: "RACECHECK SUMMARY: 0 hazards displayed (0
+errors, 0 warnings)").
 A dry run runs the driver once on the CPU, without the sanitizer (there is no GPU to check).
 Writes sanitizer.json."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,6 +30,11 @@ def run(command: list[str], timeout: float) -> tuple[int, str, float]:
     return code, output, time.time() - start
 
 
+def clean(summary: str) -> bool:
+    """Whether a compute-sanitizer summary line reports no error and no hazard."""
+    return bool(re.search(r"ERROR SUMMARY: 0 errors|SUMMARY: 0 hazards displayed \(0 err", summary))
+
+
 def main(argv=None) -> int:
     args = common.parse_args(__doc__.splitlines()[0], argv)
     record = common.StageRecord(args.out, "sanitizer", args.dry_run)
@@ -45,8 +53,8 @@ def main(argv=None) -> int:
         timeout = left / (len(TOOLS) - i)
         command = [sanitizer, "--tool", tool, "--error-exitcode", "3", "--print-limit", "20"]
         code, output, seconds = run([*command, sys.executable, str(DRIVER)], timeout)
-        summary = [line for line in output.splitlines() if "ERROR SUMMARY" in line]
-        ok = code == 0 and any("ERROR SUMMARY: 0 errors" in line for line in summary)
+        summary = [line for line in output.splitlines() if "SUMMARY:" in line]
+        ok = code == 0 and len(summary) == 1 and clean(summary[0])
         row = dict(tool=tool, exit=code, seconds=seconds, summary=summary, tail=output[-1500:])
         record.add(row, ok=ok, failure=f"compute-sanitizer {tool}: exit {code}, {summary}")
         print(f"sanitizer {tool}: exit {code} in {seconds:.0f} s, {summary}", flush=True)
