@@ -35,7 +35,7 @@ from sgl_ecospec.costmodel.calibration import (
     time_grid,
 )
 from sgl_ecospec.costmodel.profiles import ModelProfile, ridge_tokens
-from sgl_ecospec.lab.cli import add_command
+from sgl_ecospec.lab.command_line import add_command
 
 DEFAULT_BATCH_SIZES = "1,2,4,8,16"
 DEFAULT_TOKENS = "1,2,4,8"

@@ -15,7 +15,7 @@ import os
 import sys
 
 from sgl_ecospec.costmodel.profiles import HARDWARE, MODELS, get_hardware, get_model
-from sgl_ecospec.lab.costmodel_report import parse_positive_ints
+from sgl_ecospec.lab.command_line import parse_positive_ints
 from sgl_ecospec.ops.selection import DEFAULT_EPS, POLICIES, SelectionOptions
 from sgl_ecospec.predictors.catalog import ONLINE_PREDICTORS
 

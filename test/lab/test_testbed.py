@@ -17,6 +17,7 @@ from sgl_ecospec.lab import eagle3, numerics
 from sgl_ecospec.lab.testbed import (
     acceptance,
     build,
+    command,
     draft_training,
     moefy,
     recipe,
@@ -360,7 +361,7 @@ def test_draft_loads_with_aux_layers_inside_the_target(small_build, target):
 @pytest.mark.slow  # needs the small testbed (built once, minutes)
 def test_path_prints_exactly_the_two_directories(small_build, capsys):
     parser = argparse.ArgumentParser()
-    build.add_parser(parser.add_subparsers(dest="command"))
+    command.add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["testbed", "path", "--small"])
     assert args.run(args) == 0
     lines = capsys.readouterr().out.splitlines()
