@@ -4,15 +4,18 @@ Read with ``ast``, so every import counts, also those inside functions and under
 
 - the library (``sgl_ecospec/`` without ``sgl_ecospec/lab/``) imports none of transformers,
   sglang, the lab, the SGLang plugin or the CPU development mode;
-- the lab (``sgl_ecospec/lab/``) never imports the plugin or the CPU development mode.
+- the lab (``sgl_ecospec/lab/``) never imports the plugin or the CPU development mode;
+- no import loops among the project's modules (``sgl_ecospec/`` and ``python/``).
 """
 
 import ast
+import graphlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ROOT / "sgl_ecospec"
 LAB = LIBRARY / "lab"
+PYTHON = ROOT / "python"
 PLUGINS = ("sglang_ecospec", "sglang_ecospec_cpu")
 LIBRARY_FORBIDDEN = ("transformers", "sglang", "sgl_ecospec.lab", *PLUGINS)
 MAX_LINES = 500
@@ -31,15 +34,74 @@ def imported_modules(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                parent = ".".join(parts[: len(parts) - node.level + 1])
-                base = f"{parent}.{base}" if base else parent
+            base = resolve(node, package)
             # `from pkg import mod` imports pkg.mod when mod is a module: count both names.
             found.append((node.lineno, base))
             found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
     return found
+
+
+def module_name(path: Path, root: Path) -> str:
+    """``sgl_ecospec/ops/__init__.py`` -> ``sgl_ecospec.ops`` (``root``: the folder on sys.path)."""
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_modules(root: Path = ROOT) -> dict[str, Path]:
+    """Every module of the library, the lab, the plugin and the CPU mode, by its name."""
+    library = sorted((root / "sgl_ecospec").rglob("*.py"))
+    plugins = sorted((root / "python").rglob("*.py"))
+    modules = {module_name(path, root): path for path in library}
+    modules.update({module_name(path, root / "python"): path for path in plugins})
+    return modules
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the project modules it imports (every import, also inside functions).
+
+    An edge is the module an import statement executes, resolved as Python does:
+    ``import a.b`` and ``from a.b import f`` import ``a.b``; ``from a import b`` imports the
+    module ``a.b`` when ``b`` is one, else the package ``a`` (its ``__init__``, for a name it
+    defines or re-exports); relative imports are resolved. The parent packages that Python
+    initialises first on the way to a submodule are not edges: a package's ``__init__``
+    importing its own submodules to re-export their names is the standard pattern, not a loop.
+    A module importing a name from an ancestor package's ``__init__`` is an edge to that
+    package, so a submodule taking a re-exported name from its own package (whose
+    ``__init__`` imports the submodule) is reported as a loop: import the sibling directly.
+    Imports of anything outside ``modules`` (torch, the ``_C`` extension) are ignored.
+    """
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                edges.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = resolve(node, package)
+                for alias in node.names:
+                    submodule = f"{base}.{alias.name}"
+                    edges.add(submodule if submodule in modules else base)
+        graph[name] = {m for m in edges if m in modules and m != name}
+    return graph
+
+
+def resolve(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module of a ``from ... import`` inside ``package``."""
+    if not node.level:
+        return node.module or ""
+    parts = package.split(".")
+    parent = ".".join(parts[: len(parts) - node.level + 1])
+    return f"{parent}.{node.module}" if node.module else parent
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import loop of ``graph`` (its modules, the first repeated at the end), or None."""
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as exc:
+        return exc.args[1]
+    return None
 
 
 def is_within(module: str, forbidden: str) -> bool:
@@ -92,6 +154,45 @@ def test_the_check_sees_imports_inside_functions(tmp_path):
         "sgl_ecospec/c.py:1",
     ], bad
     assert lab_bad == ["sgl_ecospec/lab/x.py:1 imports sglang_ecospec.routing"]
+
+
+def test_no_import_loops():
+    graph = import_graph(project_modules())
+    assert len(graph) > 100 and graph["sgl_ecospec.lab.cli"], graph
+    cycle = import_cycle(graph)
+    assert cycle is None, "an import loop: " + " -> ".join(cycle)
+
+
+def test_the_loop_check_sees_loops_through_functions_and_package_inits(tmp_path):
+    def write(files: dict[str, str]) -> list[str] | None:
+        for name, text in files.items():
+            path = tmp_path / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        return import_cycle(import_graph(project_modules(tmp_path)))
+
+    # A package re-exporting its submodules' names, which import their siblings: no loop.
+    assert (
+        write(
+            {
+                "sgl_ecospec/__init__.py": "from .a import f\nfrom sgl_ecospec.b import g\n",
+                "sgl_ecospec/a.py": "from . import b\nimport torch\n",
+                "sgl_ecospec/b.py": "import sgl_ecospec._C\n",
+                "python/sglang_ecospec/__init__.py": "def register():\n    from . import c\n",
+                "python/sglang_ecospec/c.py": "from sgl_ecospec.a import f\n",
+            }
+        )
+        is None
+    )
+    # b takes a name from the package's __init__, which imports b.
+    cycle = write({"sgl_ecospec/b.py": "from sgl_ecospec import f\n"})
+    assert sorted(set(cycle)) == ["sgl_ecospec", "sgl_ecospec.b"], cycle
+    # A loop through an import inside a function, across the two roots.
+    write({"sgl_ecospec/b.py": "import sgl_ecospec._C\n"})
+    cycle = write({"python/sglang_ecospec/d.py": "def f():\n    import sglang_ecospec.c\n"})
+    assert cycle is None
+    cycle = write({"python/sglang_ecospec/c.py": "from sglang_ecospec import d\n"})
+    assert sorted(set(cycle)) == ["sglang_ecospec.c", "sglang_ecospec.d"], cycle
 
 
 def test_no_source_file_over_500_lines():
