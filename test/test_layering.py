@@ -2,14 +2,20 @@
 
 Read with ``ast``, so every import counts, also those inside functions and under ``if``:
 
+- each layer imports only the packages of its row in docs/structures.md's table (besides
+  Python's standard library);
 - the library (``sgl_ecospec/`` without ``sgl_ecospec/lab/``) imports none of transformers,
   sglang, the lab, the SGLang plugin or the CPU development mode;
 - the lab (``sgl_ecospec/lab/``) never imports the plugin or the CPU development mode;
+- the plugin and the CPU mode (``python/``) never import the lab, nor run it (no string
+  naming a lab module, such as ``-m sgl_ecospec.lab.cli``);
+- only the plugin's ``register`` (``sglang_ecospec/__init__.py``) imports the CPU mode;
 - no import loops among the project's modules (``sgl_ecospec/`` and ``python/``).
 """
 
 import ast
 import graphlib
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,6 +24,18 @@ LAB = LIBRARY / "lab"
 PYTHON = ROOT / "python"
 PLUGINS = ("sglang_ecospec", "sglang_ecospec_cpu")
 LIBRARY_FORBIDDEN = ("transformers", "sglang", "sgl_ecospec.lab", *PLUGINS)
+PLUGIN = PYTHON / "sglang_ecospec"
+CPU_MODE = PYTHON / "sglang_ecospec_cpu"
+LAB_MODULE = "sgl_ecospec.lab"
+# Each layer's third-party packages (docs/structures.md's table); the standard library and the
+# project's own packages aside, which the rules above govern.
+ALLOWED = {
+    "library": {"torch", "numpy", "scipy", "safetensors", "triton"},
+    "lab": {"torch", "numpy", "safetensors", "transformers", "matplotlib", "tqdm"},
+    "plugin": {"torch", "sglang", "transformers", "prometheus_client"},
+    "CPU mode": {"torch", "sglang", "sgl_kernel", "safetensors", "transformers"},
+}
+PROJECT = ("sgl_ecospec", *PLUGINS)
 MAX_LINES = 500
 SIZE_CHECKED = ("sgl_ecospec", "python", "csrc", "scripts")
 SIZE_SUFFIXES = (".py", ".cpp", ".cu", ".cuh", ".h")
@@ -134,6 +152,100 @@ def test_lab_never_imports_the_plugin():
     assert files
     bad = violations(files, PLUGINS)
     assert not bad, "the lab must not import the plugin:\n" + "\n".join(bad)
+
+
+def layer_files() -> dict[str, list[tuple[Path, Path]]]:
+    """Each layer's files, with the folder on sys.path they are imported from."""
+    return {
+        "library": [(path, ROOT) for path in library_files()],
+        "lab": [(path, ROOT) for path in sorted(LAB.rglob("*.py"))],
+        "plugin": [(path, PYTHON) for path in sorted(PLUGIN.rglob("*.py"))],
+        "CPU mode": [(path, PYTHON) for path in sorted(CPU_MODE.rglob("*.py"))],
+    }
+
+
+def foreign_imports(files: list[tuple[Path, Path]], allowed: set[str]) -> list[str]:
+    """Imports of packages neither in ``allowed``, the standard library nor the project."""
+    known = allowed | set(sys.stdlib_module_names) | set(PROJECT)
+    bad = []
+    for path, root in files:
+        for line, module in imported_modules(path, root):
+            if module and module.partition(".")[0] not in known:
+                bad.append(f"{path.relative_to(root)}:{line} imports {module}")
+    return sorted(set(bad))
+
+
+def test_each_layer_imports_only_the_packages_its_row_names():
+    for layer, files in layer_files().items():
+        assert len(files) > 4, layer
+        bad = foreign_imports(files, ALLOWED[layer])
+        assert not bad, f"the {layer} may import only {sorted(ALLOWED[layer])}:\n" + "\n".join(bad)
+
+
+def lab_mentions(path: Path, root: Path) -> list[str]:
+    """Where a module's code names the lab as a string (``"-m", "sgl_ecospec.lab.cli"``,
+    ``importlib.import_module("sgl_ecospec.lab...")``); docstrings may describe it."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [
+        f"{path.relative_to(root)}:{node.lineno} names {node.value!r}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and LAB_MODULE in node.value
+        and id(node) not in docstrings
+    ]
+
+
+def test_the_plugin_and_cpu_mode_never_import_or_run_the_lab():
+    files = layer_files()["plugin"] + layer_files()["CPU mode"]
+    bad = [b for path, root in files for b in violations([path], (LAB_MODULE,), root)]
+    bad += [mention for path, root in files for mention in lab_mentions(path, root)]
+    assert not bad, "the plugin must not import or run the lab:\n" + "\n".join(bad)
+
+
+def test_the_lab_check_sees_nested_imports_and_module_strings(tmp_path):
+    plugin = tmp_path / "sglang_ecospec"
+    plugin.mkdir()
+    (plugin / "a.py").write_text(
+        '"""Docs may name sgl_ecospec.lab."""\n'
+        "def f():\n"
+        "    from sgl_ecospec.lab import cli\n"
+        "    return ['python', '-m', 'sgl_ecospec.lab.cli', 'calibrate']\n"
+    )
+    (plugin / "b.py").write_text("import sgl_ecospec.costmodel\n")
+    files = sorted(plugin.glob("*.py"))
+    assert violations(files, (LAB_MODULE,), tmp_path) == [
+        "sglang_ecospec/a.py:3 imports sgl_ecospec.lab",
+        "sglang_ecospec/a.py:3 imports sgl_ecospec.lab.cli",
+    ]
+    assert [m for path in files for m in lab_mentions(path, tmp_path)] == [
+        "sglang_ecospec/a.py:4 names 'sgl_ecospec.lab.cli'"
+    ]
+    assert foreign_imports([(plugin / "a.py", tmp_path)], set()) == []
+    (plugin / "c.py").write_text("import os\nimport requests.adapters\n")
+    assert foreign_imports([(plugin / "c.py", tmp_path)], {"torch"}) == [
+        "sglang_ecospec/c.py:2 imports requests.adapters"
+    ]
+
+
+def test_only_the_plugins_register_imports_the_cpu_mode():
+    importers = set()
+    for files in layer_files().values():
+        for path, root in files:
+            if CPU_MODE in path.parents:
+                continue
+            for _, module in imported_modules(path, root):
+                if is_within(module, "sglang_ecospec_cpu"):
+                    importers.add(str(path.relative_to(ROOT)))
+    assert importers == {"python/sglang_ecospec/__init__.py"}
 
 
 def test_the_check_sees_imports_inside_functions(tmp_path):
