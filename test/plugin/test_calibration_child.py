@@ -24,9 +24,7 @@ def served(tmp_path_factory) -> ServedModel:
     return ServedModel(str(root / "target"), str(root / "draft"), torch.float32, cpu)
 
 
-def test_the_child_calibrates_with_the_flags_startup_calibration_gives_it(
-    served, tmp_path, capsys
-):
+def test_the_child_calibrates_with_the_flags_startup_calibration_gives_it(served, tmp_path, capsys):
     settings = EcoSpecSettings(
         eps="auto",
         calibrate=True,
