@@ -64,3 +64,35 @@ def test_the_link_check_reads_links_outside_code_only(tmp_path):
         "docs/page.md links missing.md",
         "docs/page.md links pic.png",
     ]
+
+
+# A line opening a package's list in docs/structures.md: "## Lab: `sgl_ecospec/lab/`" or
+# "`sgl_ecospec/ops/`: the ops".
+PACKAGE_LINE = re.compile(r"^(?:#+ [^`\n]*)?`((?:sgl_ecospec|python)/(?:\w+/)*)`", re.MULTILINE)
+
+
+def package_blocks(text: str) -> dict[str, str]:
+    """Each package's part of docs/structures.md, from its opening line to the next one."""
+    starts = list(PACKAGE_LINE.finditer(text))
+    ends = [m.start() for m in starts[1:]] + [len(text)]
+    return {m.group(1): text[m.start() : end] for m, end in zip(starts, ends, strict=True)}
+
+
+def unlisted_modules(text: str, root: Path = ROOT) -> list[str]:
+    """Modules under sgl_ecospec/ and python/ that their package's part does not name as a
+    list item (``- `name.py```)."""
+    blocks = package_blocks(text)
+    missing = []
+    for top in ("sgl_ecospec", "python"):
+        for path in sorted((root / top).rglob("*.py")):
+            package = path.parent.relative_to(root).as_posix() + "/"
+            if not re.search(
+                rf"^- (?:`[\w.]+`, )*`{re.escape(path.name)}`", blocks.get(package, ""), re.M
+            ):
+                missing.append(path.relative_to(root).as_posix())
+    return missing
+
+
+def test_structures_names_every_module():
+    missing = unlisted_modules((ROOT / "docs" / "structures.md").read_text())
+    assert not missing, "modules docs/structures.md does not list:\n" + "\n".join(missing)
