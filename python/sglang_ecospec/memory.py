@@ -29,6 +29,7 @@ import logging
 
 import torch
 
+from sglang_ecospec import acceptance
 from sglang_ecospec.deployment import num_candidates
 
 logger = logging.getLogger(__name__)
@@ -294,8 +295,6 @@ def plugin_memory_bytes(
         shape, predictor=settings.predictor, live_recall=settings.recall_weighted_cost, **sizes
     )
     if settings.calibrated_acceptance:
-        from sglang_ecospec import acceptance
-
         tree = {"topk": topk, "num_steps": num_steps, "num_draft_tokens": num_draft_tokens}
         buffers += acceptance.buffer_bytes(max_batch=max_batch, **tree)
         step += acceptance.step_bytes(batch=max_batch, **tree)
