@@ -94,7 +94,7 @@ setup(
     # The testbed's shipped EAGLE-3 drafts (docs/testbed.md).
     package_data={"sgl_ecospec.lab.testbed": ["drafts/*/*.json", "drafts/*/*.safetensors"]},
     python_requires=">=3.10",
-    install_requires=["torch", "numpy", "scipy"],
+    install_requires=["torch", "numpy", "scipy", "safetensors"],
     extras_require={"plot": ["matplotlib"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},

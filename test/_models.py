@@ -4,7 +4,7 @@ architecture), an EAGLE-3 draft fitted to it in seconds, and a byte-level chat t
 import torch
 import torch.nn.functional as F
 
-from sgl_ecospec.lab.eagle3 import (
+from sgl_ecospec.models.eagle3 import (
     Eagle3Config,
     Eagle3Draft,
     build_vocab_maps,

@@ -54,7 +54,7 @@ import logging
 import torch
 
 from sgl_ecospec.acceptance import AcceptanceCalibrator, expected_accepted
-from sglang_ecospec.memory import num_candidates
+from sglang_ecospec.deployment import num_candidates
 
 logger = logging.getLogger(__name__)
 

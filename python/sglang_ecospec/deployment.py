@@ -59,6 +59,11 @@ def check_startup(server_args, device: str | torch.device | None = None) -> None
     check_native_ops(torch.device(device if device is not None else view.device))
 
 
+def num_candidates(topk: int, num_steps: int) -> int:
+    """N = K + (S - 1) K^2: the candidates of SGLang's draft tree."""
+    return topk + (num_steps - 1) * topk * topk
+
+
 def check_draft_tree(topk: int | None, steps: int | None, num_draft_tokens: int | None) -> None:
     """Refuses a draft tree where selection has nothing to choose (None: not decided yet)."""
     if topk is not None and topk <= 1:
@@ -72,7 +77,7 @@ def check_draft_tree(topk: int | None, steps: int | None, num_draft_tokens: int 
         )
     if topk is None or steps is None or num_draft_tokens is None:
         return
-    candidates = topk + (steps - 1) * topk * topk
+    candidates = num_candidates(topk, steps)
     if num_draft_tokens - 1 >= candidates:
         raise DeploymentError(
             f"{ALGORITHM_FLAG}: --speculative-num-draft-tokens {num_draft_tokens} verifies all "

@@ -29,6 +29,9 @@ import logging
 
 import torch
 
+from sglang_ecospec import acceptance
+from sglang_ecospec.deployment import num_candidates
+
 logger = logging.getLogger(__name__)
 
 MIB = 1 << 20
@@ -55,11 +58,6 @@ def score_chunk_rows(shape: ModelShape) -> int:
     """Rows the selector predicts at once: two float ``[rows, L, E]`` within
     :data:`SCORE_CHUNK_BYTES` (at least one row)."""
     return max(1, SCORE_CHUNK_BYTES // (2 * shape.num_layers * shape.num_experts * _F32))
-
-
-def num_candidates(topk: int, num_steps: int) -> int:
-    """N = K + (S - 1) K^2: the candidates of SGLang's draft tree."""
-    return topk + (num_steps - 1) * topk * topk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,8 +295,6 @@ def plugin_memory_bytes(
         shape, predictor=settings.predictor, live_recall=settings.recall_weighted_cost, **sizes
     )
     if settings.calibrated_acceptance:
-        from sglang_ecospec import acceptance
-
         tree = {"topk": topk, "num_steps": num_steps, "num_draft_tokens": num_draft_tokens}
         buffers += acceptance.buffer_bytes(max_batch=max_batch, **tree)
         step += acceptance.step_bytes(batch=max_batch, **tree)

@@ -25,7 +25,7 @@ sync (test/plugin/test_graph_safety.py counts them).
 import logging
 
 from sglang_ecospec import acceptance, memory, metrics, tp_agreement
-from sglang_ecospec.algorithm import NAME
+from sglang_ecospec.deployment import num_candidates
 from sglang_ecospec.settings import EcoSpecSettings
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class EcoSpecRuntime:
             placement = ep_placement.ExpertPlacement(ep_layout, layer_ids, num_experts, device)
         if num_steps is None:
             num_steps = 1
-            while memory.num_candidates(topk, num_steps) < num_draft_tokens - 1:
+            while num_candidates(topk, num_steps) < num_draft_tokens - 1:
                 num_steps += 1
         group = tp_agreement.selection_group()
         table = None
@@ -184,10 +184,9 @@ class EcoSpecRuntime:
         self._bindings = bindings
         hooks.activate(bindings)
         logger.info(
-            "%s active: %d MoE layers x %d experts (top-%d), predictor %s, policy %s, eps %s "
+            "ECOSPEC active: %d MoE layers x %d experts (top-%d), predictor %s, policy %s, eps %s "
             "(recall-weighted cost %s), share_buffer %s, EP cost %s, learn %s, verify-MoE "
             "kernel %s, TP agreement %s",
-            NAME,
             len(layer_ids),
             num_experts,
             top_k,
@@ -261,7 +260,7 @@ class EcoSpecRuntime:
         if count > self.capture.max_tokens:
             if not self._warned_overflow:
                 logger.warning(
-                    "%s: %d verify tokens exceed the routing buffer; not learning", NAME, count
+                    "ECOSPEC: %d verify tokens exceed the routing buffer; not learning", count
                 )
                 self._warned_overflow = True
             return

@@ -1,12 +1,13 @@
 """Calibration at startup (setting ``calibrate``): the served model timed on this process's
-device by ``sgl-ecospec calibrate`` in a child process, its profile cached, then read as any
-calibration profile file is (``eps_table.cost_model``).
+device in a child process, its profile cached, then read as any calibration profile file is
+(``eps_table.cost_model``).
 
-The child is ``python -m sgl_ecospec.lab.cli calibrate --target <model_path> --draft <draft>
---device <this device> --dtype <served dtype> [grid settings] --out <file>``: the lab's
-command, run and never imported (the plugin does not import the lab), so that its timing,
-fit and file are the ones ``sgl-ecospec calibrate`` makes by hand. Its stdout (the fit
-table: every point's measured and predicted time and residual) is logged at INFO.
+The child is ``python -m sglang_ecospec.calibration_child --target <model_path> --draft
+<draft> --device <this device> --dtype <served dtype> [grid settings] --out <file>``: the
+library's calibration, the one ``sgl-ecospec calibrate`` runs (same flags, timing, fit and
+file), in its own process so that the timed models leave the server's memory with it. Its
+stdout (the fit table: every point's measured and predicted time and residual) is logged at
+INFO.
 
 Cache: ``$SGL_ECOSPEC_CACHE/calibration`` (default ``~/.cache/sgl-ecospec/calibration``, the
 lab's cache root), one file per key: the model path and a hash of its config.json (and the
@@ -50,7 +51,7 @@ from sglang_ecospec.settings import CALIBRATION_GRID, EcoSpecSettings, calibrati
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "SGL_ECOSPEC_CACHE"  # the lab's cache root (the testbed is cached there too)
-CALIBRATE_MODULE = "sgl_ecospec.lab.cli"
+CALIBRATE_MODULE = "sglang_ecospec.calibration_child"
 # The calibrate command's flag of each CALIBRATION_GRID setting, in that order.
 GRID_FLAGS = ("--batch-sizes", "--tokens", "--unique-experts", "--repeats")
 # The dtypes `sgl-ecospec calibrate --dtype` times; float16 as bfloat16 (same bytes per weight).
@@ -244,7 +245,7 @@ def calibrate_command(served: ServedModel, settings: EcoSpecSettings, out: Path)
             f"the served dtype {served.dtype} is none the calibrator times (float32, bfloat16; "
             "float16 as bfloat16)"
         )
-    argv = [sys.executable, "-m", CALIBRATE_MODULE, "calibrate", "--target", served.model_path]
+    argv = [sys.executable, "-m", CALIBRATE_MODULE, "--target", served.model_path]
     argv += ["--draft", served.draft_path or "none", "--device", str(served.device)]
     argv += ["--dtype", dtype]
     if served.device.type == "cpu":  # as this server runs (the command's own default is 1)
@@ -315,13 +316,13 @@ def _run(settings: EcoSpecSettings, served: ServedModel, path: Path) -> None:
             )
             tail = "\n".join(result.stderr.strip().splitlines()[-STDERR_LINES:])
             raise CalibrationFailed(
-                f"`sgl-ecospec calibrate` {ended}; the last lines of its stderr:\n{tail}"
+                f"the calibration child {ended}; the last lines of its stderr:\n{tail}"
             )
         try:
             profile = CalibrationProfile.load(partial)
         except CalibrationFileError as exc:
             raise CalibrationFailed(
-                f"`sgl-ecospec calibrate` wrote no usable profile: {exc}"
+                f"the calibration child wrote no usable profile: {exc}"
             ) from None
         os.replace(partial, path)  # the waiting ranks see no partial file
     finally:

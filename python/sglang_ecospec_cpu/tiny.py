@@ -11,7 +11,7 @@ and ECOSPEC end to end on a 2-core CPU, with drafts that get accepted.
   differently) and only ever produces those tokens. Its output depends on the context
   (attention, routed experts): it repeats a token for a while, switches, falls into short
   cycles (``copy_weight`` > 0 makes it repeat more).
-- Draft: an EAGLE-3 head (:mod:`sgl_ecospec.lab.eagle3`, SGLang's ``LlamaForCausalLMEagle3``
+- Draft: an EAGLE-3 head (:mod:`sgl_ecospec.models.eagle3`, SGLang's ``LlamaForCausalLMEagle3``
   format) whose weights are set, not trained: its attention attends to the newest token
   itself and copies that token's embedding, and its head scores tokens by embedding
   similarity, so it proposes "repeat the token" first. A random draft is almost never
@@ -177,7 +177,7 @@ def make_tiny_draft(
     """
     from safetensors.torch import load_file
 
-    from sgl_ecospec.lab.eagle3 import Eagle3Config, Eagle3Draft, build_vocab_maps
+    from sgl_ecospec.models.eagle3 import Eagle3Config, Eagle3Draft, build_vocab_maps
 
     spec = spec or TinyDraftSpec()
     target_spec = target_spec_of(target_path)
@@ -262,7 +262,7 @@ def draft_agreement(
     how often the target repeats its last token, over fresh prompts' continuations."""
     from transformers import AutoModelForCausalLM
 
-    from sgl_ecospec.lab.eagle3 import Eagle3Draft, training_pairs
+    from sgl_ecospec.models.eagle3 import Eagle3Draft, training_pairs
 
     with _one_thread():
         target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()

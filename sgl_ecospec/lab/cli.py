@@ -1,26 +1,17 @@
-"""The ``sgl-ecospec`` command: one subcommand per tool, each registered by its module."""
+"""The ``sgl-ecospec`` command: one subcommand per tool, each registered by its module's
+``add_parser`` (no command module imports this one)."""
 
 import argparse
 import sys
 
-
-def add_command(subparsers, name: str, run, help: str, description: str):
-    """Adds the subcommand ``name`` (``help`` in the list, ``description`` atop its --help)
-    to ``subparsers`` (from ``ArgumentParser.add_subparsers``), run by ``run(args)``;
-    returns its parser, for the module to add its arguments."""
-    parser = subparsers.add_parser(name, help=help, description=description)
-    parser.set_defaults(run=run)
-    return parser
+from sgl_ecospec.lab import calibrate, numerics
+from sgl_ecospec.lab import costmodel_report as report
+from sgl_ecospec.lab.bench import cli as bench_cli
+from sgl_ecospec.lab.bench import predictor_replay, sweep, train_head
+from sgl_ecospec.lab.testbed import command as testbed_command
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # Imported here: the command modules import add_command from this one.
-    from sgl_ecospec.lab import calibrate
-    from sgl_ecospec.lab import costmodel_report as report
-    from sgl_ecospec.lab.bench import cli as bench_cli
-    from sgl_ecospec.lab.bench import predictor_replay, sweep, train_head
-    from sgl_ecospec.lab.testbed import build as testbed_build
-
     parser = argparse.ArgumentParser(
         prog="sgl-ecospec", description="Cost-aware speculative decoding for MoE models."
     )
@@ -30,15 +21,13 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_parser(commands)
     train_head.add_parser(commands)
     predictor_replay.add_parser(commands)
-    testbed_build.add_parser(commands)
+    testbed_command.add_parser(commands)
     calibrate.add_parser(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from sgl_ecospec.lab import numerics
-
     try:
         if getattr(args, "reproducible", False):
             numerics.make_reproducible(sys.argv[1:] if argv is None else argv)

@@ -15,7 +15,9 @@ import os
 import sys
 
 from sgl_ecospec.costmodel.profiles import HARDWARE, MODELS, get_hardware, get_model
-from sgl_ecospec.lab.costmodel_report import parse_positive_ints
+from sgl_ecospec.lab.command_line import parse_positive_ints
+from sgl_ecospec.lab.testbed import build as testbed_build
+from sgl_ecospec.lab.testbed.recipe import RECIPES, build_dir
 from sgl_ecospec.ops.selection import DEFAULT_EPS, POLICIES, SelectionOptions
 from sgl_ecospec.predictors.catalog import ONLINE_PREDICTORS
 
@@ -397,9 +399,6 @@ class TrainHeadConfig(_Config):
 def testbed_models(small: bool) -> tuple[str, str]:
     """The testbed's (target, draft) directories, built on first use: a build is announced
     on stderr before it starts (it takes minutes; later runs reuse it)."""
-    from sgl_ecospec.lab.testbed import build as testbed_build
-    from sgl_ecospec.lab.testbed.recipe import RECIPES, build_dir
-
     variant = "small" if small else "full"
     recipe = RECIPES[variant]
     directory = build_dir(recipe)

@@ -23,7 +23,7 @@ from sgl_ecospec.costmodel.profiles import (
     ridge_tokens,
 )
 from sgl_ecospec.costmodel.selection_cost import adaptive_draft_steps, sglang_adaptive_config
-from sgl_ecospec.lab.cli import add_command
+from sgl_ecospec.lab.command_line import add_command, parse_positive_ints
 
 _COLUMNS = (
     # (JSON key, header, format)
@@ -78,17 +78,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--plot", metavar="FILE", help="also write a PNG plot")
     return parser
-
-
-def parse_positive_ints(text: str, flag: str) -> list[int]:
-    """``"1,8,32"`` -> ``[1, 8, 32]``; ValueError naming ``flag`` on anything else."""
-    try:
-        values = [int(part) for part in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise ValueError(f"{flag} must be comma-separated positive ints, got {text!r}")
-    return values
 
 
 def build_report(args: argparse.Namespace) -> dict:

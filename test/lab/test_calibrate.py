@@ -18,11 +18,12 @@ from _models import (
     eagle3_draft,
     tiny_target,
 )
+from transformers import AutoModelForCausalLM
 
 from sgl_ecospec.costmodel.calibration import CalibrationProfile
-from sgl_ecospec.lab.calibrate import ControlledRouting, TargetTimer, target_profile
+from sgl_ecospec.costmodel.forward_timing import ControlledRouting, TargetTimer, target_profile
 from sgl_ecospec.lab.cli import main
-from sgl_ecospec.lab.engine.target import TargetModel
+from sgl_ecospec.models.target import TargetModel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -38,7 +39,7 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def target(models):
-    return TargetModel(str(models / "target"))
+    return TargetModel(AutoModelForCausalLM.from_pretrained(models / "target"))
 
 
 def _experts_inputs(target):

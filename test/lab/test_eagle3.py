@@ -6,7 +6,7 @@ import pytest
 import torch
 from _models import eagle3_draft
 
-from sgl_ecospec.lab.eagle3 import (
+from sgl_ecospec.models.eagle3 import (
     Eagle3Config,
     Eagle3Draft,
     _apply_rotary,

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from sgl_ecospec import select_verify_set
-from sgl_ecospec.lab.engine.kvcache import BatchKVCache
 from sgl_ecospec.lab.engine.tree import (
     DraftTree,
     accepted_within,
@@ -13,6 +12,7 @@ from sgl_ecospec.lab.engine.tree import (
     grow_tree,
     num_candidates,
 )
+from sgl_ecospec.models.kvcache import BatchKVCache
 
 # --- the tree is SGLang's -----------------------------------------------------------------
 

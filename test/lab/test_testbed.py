@@ -13,15 +13,17 @@ import torch
 from _models import TOY_SIZES as TOY
 from torch import nn
 
-from sgl_ecospec.lab import eagle3, numerics
+from sgl_ecospec.lab import numerics
 from sgl_ecospec.lab.testbed import (
     acceptance,
     build,
+    command,
     draft_training,
     moefy,
     recipe,
     routers,
 )
+from sgl_ecospec.models import eagle3
 
 # --- fast unit tests -------------------------------------------------------------------
 
@@ -347,7 +349,7 @@ def test_router_is_trained_skewed_and_context_dependent(small_build, target):
 
 @pytest.mark.slow  # needs the small testbed (built once, minutes)
 def test_draft_loads_with_aux_layers_inside_the_target(small_build, target):
-    from sgl_ecospec.lab.eagle3 import Eagle3Draft
+    from sgl_ecospec.models.eagle3 import Eagle3Draft
 
     draft = Eagle3Draft.from_pretrained(small_build / "draft")
     assert max(draft.config.aux_layer_ids) <= target.config.num_hidden_layers - 2
@@ -360,7 +362,7 @@ def test_draft_loads_with_aux_layers_inside_the_target(small_build, target):
 @pytest.mark.slow  # needs the small testbed (built once, minutes)
 def test_path_prints_exactly_the_two_directories(small_build, capsys):
     parser = argparse.ArgumentParser()
-    build.add_parser(parser.add_subparsers(dest="command"))
+    command.add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["testbed", "path", "--small"])
     assert args.run(args) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -14,8 +14,9 @@ from _models import TOY_SIZES as TOY
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from sgl_ecospec.lab import eagle3, numerics
+from sgl_ecospec.lab import numerics
 from sgl_ecospec.lab.testbed import draft_training, recipe, shipped
+from sgl_ecospec.models import eagle3
 
 
 def test_weights_sha256_covers_tensors_not_file_layout(tmp_path):

@@ -114,8 +114,8 @@ def test_the_child_is_the_calibrate_command_on_the_served_model(served, tmp_path
         calibrate_repeats=1,
     )
     argv = startup_calibration.calibrate_command(served, settings, tmp_path / "out.json")
-    assert argv[1:4] == ["-m", "sgl_ecospec.lab.cli", "calibrate"]
-    flags = dict(zip(argv[4::2], argv[5::2], strict=True))
+    assert argv[1:3] == ["-m", "sglang_ecospec.calibration_child"]
+    flags = dict(zip(argv[3::2], argv[4::2], strict=True))
     assert flags == {
         "--target": served.model_path,
         "--draft": "none",
@@ -182,7 +182,7 @@ def test_a_failed_child_falls_back_to_the_prior_with_a_warning(
     assert (profile, hardware) == ("qwen3-30b-a3b", "h200")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
-    assert re.search(f"`sgl-ecospec calibrate` {ended}", warnings[0])
+    assert re.search(f"the calibration child {ended}", warnings[0])
     assert "line 16" in warnings[0] and "line 15" not in warnings[0]  # the last 15 lines
     assert "ValueError: no MoE router" in warnings[0]
     assert "falls back to the prior (qwen3-30b-a3b on h200)" in warnings[0]

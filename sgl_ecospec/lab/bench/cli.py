@@ -33,7 +33,7 @@ from sgl_ecospec.lab.bench.runs import (
     run_greedy,
     run_predictor,
 )
-from sgl_ecospec.lab.cli import add_command
+from sgl_ecospec.lab.command_line import add_command
 from sgl_ecospec.lab.config import (
     BENCH_POLICIES,
     FLOORED_POLICIES,

@@ -27,7 +27,7 @@ import torch
 
 from sgl_ecospec.lab.bench import arguments
 from sgl_ecospec.lab.bench.runs import batches, open_engine
-from sgl_ecospec.lab.cli import add_command
+from sgl_ecospec.lab.command_line import add_command
 from sgl_ecospec.lab.config import BenchConfig, with_models
 from sgl_ecospec.lab.datasets import DATASETS, load_prompts, render_chat
 from sgl_ecospec.ops.bitmaps import bitmap_popcount, topk_to_bitmap

@@ -59,7 +59,7 @@ from sgl_ecospec.lab.bench.runs import LosslessError, open_engine
 from sgl_ecospec.lab.bench.sweep_plan import prompts_per_batch_size
 from sgl_ecospec.lab.bench.sweep_report import format_tables, write_plot
 from sgl_ecospec.lab.bench.sweep_run import run_sweep
-from sgl_ecospec.lab.cli import add_command
+from sgl_ecospec.lab.command_line import add_command
 from sgl_ecospec.lab.config import SWEEP_POLICIES as POLICIES
 from sgl_ecospec.lab.config import SweepConfig, with_models
 from sgl_ecospec.lab.datasets import DATASETS, load_prompts

@@ -28,7 +28,7 @@ import torch
 
 from sgl_ecospec.lab.bench import arguments
 from sgl_ecospec.lab.bench.runs import open_engine
-from sgl_ecospec.lab.cli import add_command
+from sgl_ecospec.lab.command_line import add_command
 from sgl_ecospec.lab.config import TrainHeadConfig, with_models
 from sgl_ecospec.lab.datasets import DATASETS, load_prompts, render_chat
 from sgl_ecospec.predictors import (

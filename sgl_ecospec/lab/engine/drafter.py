@@ -26,9 +26,9 @@ from collections.abc import Callable
 
 import torch
 
-from sgl_ecospec.lab.eagle3 import Eagle3Draft
-from sgl_ecospec.lab.engine.kvcache import BatchKVCache, padded_causal_mask
 from sgl_ecospec.lab.engine.tree import DraftTree, grow_tree
+from sgl_ecospec.models.eagle3 import Eagle3Draft
+from sgl_ecospec.models.kvcache import BatchKVCache, padded_causal_mask
 
 TREE_ATTENTION = ("sglang", "ancestors")
 

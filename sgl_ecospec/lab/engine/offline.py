@@ -40,15 +40,13 @@ import os
 from collections.abc import Callable
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sgl_ecospec.acceptance import AcceptanceCalibrator
-from sgl_ecospec.lab.eagle3 import Eagle3Draft
 from sgl_ecospec.lab.engine.calibration import predicted_acceptance, resolve_calibrator
 from sgl_ecospec.lab.engine.config import SpecConfig
 from sgl_ecospec.lab.engine.drafter import Drafter
 from sgl_ecospec.lab.engine.evict import EVICT, evict_step, reselect
-from sgl_ecospec.lab.engine.kvcache import BatchKVCache, padded_causal_mask
 from sgl_ecospec.lab.engine.oracle import OracleExpertPredictor
 from sgl_ecospec.lab.engine.predictor_inputs import (
     last_prompt_tokens,
@@ -66,7 +64,6 @@ from sgl_ecospec.lab.engine.stats import (
     selection_union,
     step_stats,
 )
-from sgl_ecospec.lab.engine.target import TargetModel
 from sgl_ecospec.lab.engine.tree import (
     DraftTree,
     VerifyTree,
@@ -74,6 +71,9 @@ from sgl_ecospec.lab.engine.tree import (
     build_verify_tree,
     greedy_accept,
 )
+from sgl_ecospec.models.eagle3 import Eagle3Draft
+from sgl_ecospec.models.kvcache import BatchKVCache, padded_causal_mask
+from sgl_ecospec.models.target import TargetModel
 from sgl_ecospec.predictors import ExpertPredictor, LiveRecall, OnlineExpertPredictor, topk_recall
 from sgl_ecospec.step import (
     Placement,
@@ -114,9 +114,10 @@ class OfflineEngine:
         attn_implementation: str = "sdpa",
     ):
         self.device = torch.device(device)
-        self.target = TargetModel(
-            target_dir, device=device, dtype=dtype, attn_implementation=attn_implementation
+        model = AutoModelForCausalLM.from_pretrained(
+            target_dir, dtype=dtype, attn_implementation=attn_implementation
         )
+        self.target = TargetModel(model, device=device)
         self.draft: Eagle3Draft | None = None
         if draft_dir is not None:
             self.draft = Eagle3Draft.from_pretrained(draft_dir, dtype=dtype, device=device).eval()

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_ecospec.lab import eagle3
 from sgl_ecospec.lab.testbed.draft_training import Sample
+from sgl_ecospec.models import eagle3
 
 
 @dataclass(frozen=True)

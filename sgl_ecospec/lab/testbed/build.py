@@ -21,7 +21,6 @@ format), ``probe.safetensors`` (token ids and the in-memory model's logits on th
 ``build.json`` (recipe, hash, timings, measured quality).
 """
 
-import argparse
 import contextlib
 import dataclasses
 import fcntl
@@ -38,7 +37,6 @@ from safetensors.torch import save_file
 from torch import nn
 
 from sgl_ecospec.lab import datasets, numerics
-from sgl_ecospec.lab.cli import add_command
 from sgl_ecospec.lab.testbed import (
     acceptance,
     assets,
@@ -352,54 +350,3 @@ def measure_acceptance(model: nn.Module, tokenizer, draft, spec) -> dict[str, fl
         )
         for name, shape in shapes.items()
     }
-
-
-HELP = "build the MoE test model and its EAGLE-3 draft (cached)"
-DESCRIPTION = (
-    "MoEfies SmolLM2-135M-Instruct into a Qwen2-MoE model and trains an EAGLE-3 draft for it, "
-    "from packaged assets only. Cached under $SGL_ECOSPEC_CACHE/testbed (default "
-    "~/.cache/sgl-ecospec/testbed)."
-)
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Registers ``testbed`` (actions ``build``, ``path``, ``train-draft``) on ``subparsers``."""
-    from sgl_ecospec.lab.testbed import train_shipped  # it imports this module
-
-    parser = add_command(subparsers, "testbed", run, HELP, DESCRIPTION)
-    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
-    build_cmd = actions.add_parser("build", help="build (unless cached) and print a summary")
-    build_cmd.add_argument("--force", action="store_true", help="rebuild even if cached")
-    path_cmd = actions.add_parser(
-        "path", help="print target=DIR and draft=DIR, building first if needed"
-    )
-    for sub in (build_cmd, path_cmd):
-        sub.add_argument("--small", action="store_true", help="the small CI variant (8 layers)")
-    train_cmd = actions.add_parser(
-        "train-draft",
-        help="train the full testbed's shipped draft (hours; resumable)",
-        description=train_shipped.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    train_shipped.add_arguments(train_cmd)
-    return parser
-
-
-def run(args: argparse.Namespace) -> int:
-    """Runs ``testbed build`` / ``path`` / ``train-draft``; progress goes to stderr."""
-    if args.action == "train-draft":
-        from sgl_ecospec.lab.testbed import train_shipped
-
-        return train_shipped.run(args)
-    recipe = RECIPES["small" if args.small else "full"]
-    out = build(recipe, force=getattr(args, "force", False))
-    if args.action == "build":
-        info = read_info(out)
-        summary = {k: info[k] for k in ("hash", "dense_perplexity", "moe_perplexity", "acceptance")}
-        summary["weights_sha256"] = info["weights_sha256"]
-        source = info["draft_source"]
-        summary["draft"] = f"shipped {source['shipped']}" if "shipped" in source else "trained"
-        _stderr(json.dumps(summary, indent=2))
-    print(f"target={out / 'target'}")
-    print(f"draft={out / 'draft'}")
-    return 0

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from sgl_ecospec.lab import eagle3
 from sgl_ecospec.lab.testbed.recipe import DraftSpec
+from sgl_ecospec.models import eagle3
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 A build is a pure function of (recipe, code, packaged assets), so the cache directory is
 named ``<variant>-<hash>`` where the hash covers the recipe's fields and the source of
-every module that shapes the output (this package and ``sgl_ecospec/lab/eagle3.py``). Editing
+every module that shapes the output (this package and ``sgl_ecospec/models/eagle3.py``). Editing
 either gives a new directory; old ones are left for the user to delete.
 """
 
@@ -15,8 +15,10 @@ from pathlib import Path
 from sgl_ecospec.lab.testbed.moefy import MoeSpec
 
 CACHE_ENV = "SGL_ECOSPEC_CACHE"
+_LAB = Path(__file__).parent.parent
 _SOURCES = sorted(Path(__file__).parent.glob("*.py")) + [
-    Path(__file__).parent.parent / name for name in ("eagle3.py", "numerics.py")
+    _LAB.parent / "models" / "eagle3.py",
+    _LAB / "numerics.py",
 ]
 
 

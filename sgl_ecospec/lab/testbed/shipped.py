@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from sgl_ecospec.lab import eagle3, numerics
+from sgl_ecospec.lab import numerics
+from sgl_ecospec.models import eagle3
 
 SHIPPED_ROOT = Path(__file__).parent / "drafts"
 MANIFEST_FILE = "manifest.json"

@@ -1,5 +1,8 @@
 """The target model: a transformers MoE causal LM run over a BatchKVCache with any mask.
 
+The model comes loaded (``AutoModelForCausalLM.from_pretrained``, by the caller): this module
+drives it through transformers' calling convention and imports torch only.
+
 Every forward also returns what the engine records:
 
 - routing: the expert ids each MoE layer's router picked for each row (forward hooks on the
@@ -15,9 +18,9 @@ L = MoE layers, K = experts per token, A = aux layers, H = hidden size.
 from typing import NamedTuple
 
 import torch
-from transformers import AutoModelForCausalLM
+from torch import nn
 
-from sgl_ecospec.lab.engine.kvcache import BatchKVCache
+from sgl_ecospec.models.kvcache import BatchKVCache
 
 
 class TargetOutput(NamedTuple):
@@ -33,22 +36,13 @@ class TargetModel:
     """A Hugging Face MoE causal LM (Qwen2-MoE, Qwen3-MoE layout) with routing capture.
 
     Args:
-        path: a transformers checkpoint directory.
-        device, dtype: where and how to load it.
-        attn_implementation: "sdpa" or "eager"; both take the additive 4D tree mask.
+        model: the loaded transformers model (``attn_implementation`` "sdpa" or "eager"; both
+            take the additive 4D tree mask).
+        device: where it runs (it is moved there).
     """
 
-    def __init__(
-        self,
-        path: str,
-        *,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
-        attn_implementation: str = "sdpa",
-    ):
-        self.model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn_implementation
-        )
+    def __init__(self, model: nn.Module, *, device: str | torch.device = "cpu"):
+        self.model = model
         self.model.to(device).eval()
         self.device = torch.device(device)
         self.config = self.model.config
@@ -57,7 +51,9 @@ class TargetModel:
             i for i, layer in enumerate(layers) if hasattr(getattr(layer, "mlp", None), "gate")
         ]
         if not self.moe_layers:
-            raise ValueError(f"{path!r} has no MoE layers (no decoder layer has mlp.gate)")
+            raise ValueError(
+                f"{self.config.name_or_path!r} has no MoE layers (no decoder layer has mlp.gate)"
+            )
         self.num_experts = self.config.num_experts
         self.top_k = self.config.num_experts_per_tok
         self._routing: dict[int, torch.Tensor] = {}

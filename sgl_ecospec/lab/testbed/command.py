@@ -1,0 +1,55 @@
+"""The ``sgl-ecospec testbed`` command: ``build``, ``path`` and ``train-draft``."""
+
+import argparse
+import json
+import sys
+
+from sgl_ecospec.lab.command_line import add_command
+from sgl_ecospec.lab.testbed import build, train_shipped
+from sgl_ecospec.lab.testbed.recipe import RECIPES
+
+HELP = "build the MoE test model and its EAGLE-3 draft (cached)"
+DESCRIPTION = (
+    "MoEfies SmolLM2-135M-Instruct into a Qwen2-MoE model and trains an EAGLE-3 draft for it, "
+    "from packaged assets only. Cached under $SGL_ECOSPEC_CACHE/testbed (default "
+    "~/.cache/sgl-ecospec/testbed)."
+)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Registers ``testbed`` (actions ``build``, ``path``, ``train-draft``) on ``subparsers``."""
+    parser = add_command(subparsers, "testbed", run, HELP, DESCRIPTION)
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    build_cmd = actions.add_parser("build", help="build (unless cached) and print a summary")
+    build_cmd.add_argument("--force", action="store_true", help="rebuild even if cached")
+    path_cmd = actions.add_parser(
+        "path", help="print target=DIR and draft=DIR, building first if needed"
+    )
+    for sub in (build_cmd, path_cmd):
+        sub.add_argument("--small", action="store_true", help="the small CI variant (8 layers)")
+    train_cmd = actions.add_parser(
+        "train-draft",
+        help="train the full testbed's shipped draft (hours; resumable)",
+        description=train_shipped.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train_shipped.add_arguments(train_cmd)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs ``testbed build`` / ``path`` / ``train-draft``; progress goes to stderr."""
+    if args.action == "train-draft":
+        return train_shipped.run(args)
+    recipe = RECIPES["small" if args.small else "full"]
+    out = build.build(recipe, force=getattr(args, "force", False))
+    if args.action == "build":
+        info = build.read_info(out)
+        summary = {k: info[k] for k in ("hash", "dense_perplexity", "moe_perplexity", "acceptance")}
+        summary["weights_sha256"] = info["weights_sha256"]
+        source = info["draft_source"]
+        summary["draft"] = f"shipped {source['shipped']}" if "shipped" in source else "trained"
+        print(json.dumps(summary, indent=2), file=sys.stderr, flush=True)
+    print(f"target={out / 'target'}")
+    print(f"draft={out / 'draft'}")
+    return 0
