@@ -17,10 +17,16 @@
 // Idle warps (fewer frontier candidates than warps) prefetch the next request's frontier
 // bitmaps into L1, so the next turn's reads hit L1 instead of L2/HBM.
 //
-// The workspace (buffer bitmaps, rank loads and peaks, the rank table as int32, parents,
-// selected flags, frontier list) lives in shared memory where it fits and in a global
-// scratch tensor otherwise (plan_select, used by the launcher). Candidate bitmaps are read
-// from global memory.
+// A turn is a chain of dependent steps, so its time is latencies, not bandwidth (measured on
+// an H200: about 3-4 us a turn when every step read global memory). Hence the scores are
+// staged in the workspace at setup, a warp first copies its candidate's bitmaps into its own
+// workspace slot with every load in flight at once (one global latency instead of one per
+// word), and each request's count of taken candidates is kept rather than recounted.
+//
+// The workspace (buffer bitmaps, scores, rank loads and peaks, the rank table as int32,
+// parents, selected flags, taken counts, frontier lists, the warps' candidate slots) lives in
+// shared memory where it fits and in a global scratch tensor otherwise (plan_select, used by
+// the launcher). Candidate bitmaps are read from global memory.
 //
 // Exactness (equal to the reference bit for bit): the rules come from selection_core.h
 // (is_available, node_priority, is_better, raises_throughput, ep_layer_cost); plain counts
@@ -54,6 +60,9 @@ struct Region {
 // The workspace of one block (G = requests of the block, R = EP ranks, L_r = L or 1).
 struct WorkspaceLayout {
   Region bitmaps;   // uint64 [L, W]: the expert buffer
+  Region prob;      // double [G, N]: the block's scores
+  Region staged;    // uint64 [warps, L, W]: each warp's candidate of the turn
+  Region taken;     // int64 [G]: candidates each request has taken
   Region peaks;     // int32 [L]: max over ranks of loads (EP)
   Region loads;     // int32 [L, R]: the buffer's experts per rank (EP)
   Region ranks;     // int32 [L_r, E]: rank of each expert, -1 outside [0, R) (EP)
@@ -82,8 +91,11 @@ inline WorkspaceLayout plan_workspace(int64_t group, int64_t n, int64_t layers, 
   const bool with_ep = buffer && ep;
   place(w.frontier, 2 * n * 8);
   place(w.bitmaps, buffer ? layers * words * 8 : 0);
+  place(w.prob, group * n * 8);
+  place(w.taken, group * 8);
   place(w.selected, group * n);
   place(w.parents, group * n * 8);
+  place(w.staged, buffer ? kSelectWarps * layers * words * 8 : 0);
   place(w.peaks, with_ep ? layers * 4 : 0);
   place(w.loads, with_ep ? layers * ranks * 4 : 0);
   place(w.ranks, with_ep ? rank_rows * experts * 4 : 0);
@@ -144,6 +156,9 @@ __device__ __forceinline__ Best better_of(Best a, Best b) {
 // The block's view of its workspace.
 struct Workspace {
   uint64_t* bitmaps;
+  double* prob;
+  uint64_t* staged;
+  int64_t* taken;
   int32_t *peaks, *loads, *ranks;
   int64_t* parents;
   uint8_t* selected;
@@ -161,6 +176,9 @@ __device__ T* region_ptr(const SelectArgs& a, unsigned char* shared, const Regio
 __device__ Workspace workspace(const SelectArgs& a, unsigned char* shared) {
   const WorkspaceLayout& w = a.layout;
   return Workspace{region_ptr<uint64_t>(a, shared, w.bitmaps),
+                   region_ptr<double>(a, shared, w.prob),
+                   region_ptr<uint64_t>(a, shared, w.staged),
+                   region_ptr<int64_t>(a, shared, w.taken),
                    region_ptr<int32_t>(a, shared, w.peaks),
                    region_ptr<int32_t>(a, shared, w.loads),
                    region_ptr<int32_t>(a, shared, w.ranks),
@@ -192,7 +210,7 @@ __device__ void list_frontier(const SelectArgs& a, const Workspace& ws, int64_t 
                               int64_t* frontier, int64_t* count) {
   const int lane = threadIdx.x % 32;
   const int64_t n = a.num_nodes;
-  const double* prob = a.prob + (first + k) * n;
+  const double* prob = ws.prob + k * n;
   const uint8_t* selected = ws.selected + k * n;
   const int64_t* parents = ws.parents + k * n;
   int64_t seen = 0;
@@ -213,8 +231,10 @@ __device__ void setup(const SelectArgs& a, const Workspace& ws, int64_t first, i
   const int64_t layers = a.layers, words = a.words, lw = layers * words;
   for (int64_t j = threadIdx.x; j < group * n; j += blockDim.x) {
     ws.parents[j] = a.parents[first * n + j];
+    ws.prob[j] = a.prob[first * n + j];
     ws.selected[j] = 0;
   }
+  for (int64_t k = threadIdx.x; k < group; k += blockDim.x) ws.taken[k] = 0;
   if (needs_buffer(a)) {
     for (int64_t j = threadIdx.x; j < lw; j += blockDim.x) {
       uint64_t word = 0;
@@ -281,10 +301,42 @@ __device__ double layer_term(const SelectArgs& a, const Workspace& ws, const uin
   return a.weights == nullptr ? cost : mul_rn(a.weights[l], cost);
 }
 
-// DeltaCost of `node` ([L, W]) against the buffer, computed by one warp; every lane returns
-// it. Equal to selection_core.h's delta_cost.
-__device__ double warp_delta(const SelectArgs& a, const Workspace& ws, const uint64_t* node) {
+// Words each lane loads before it stores any, when a warp stages a candidate: all of a
+// candidate's L x W words (up to 32 x 8 = 256, Qwen3-235B's 94 x 2 and DeepSeek-V3's 58 x 4
+// included) cost one memory latency.
+constexpr int kStageLoads = 8;
+
+// Copies `node` ([L, W], global memory) into the calling warp's slot of the workspace and
+// returns the slot; every lane of the warp calls it.
+__device__ const uint64_t* stage_candidate(const SelectArgs& a, const Workspace& ws,
+                                           const uint64_t* node) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t lw = a.layers * a.words;
+  uint64_t* slot = ws.staged + warp * lw;
+  __syncwarp();  // the slot's previous candidate is read by every lane before it is replaced
+  for (int64_t base = 0; base < lw; base += 32 * kStageLoads) {
+    uint64_t words[kStageLoads];
+#pragma unroll
+    for (int u = 0; u < kStageLoads; ++u) {
+      const int64_t j = base + u * 32 + lane;
+      words[u] = j < lw ? node[j] : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < kStageLoads; ++u) {
+      const int64_t j = base + u * 32 + lane;
+      if (j < lw) slot[j] = words[u];
+    }
+  }
+  __syncwarp();
+  return slot;
+}
+
+// DeltaCost of `node` ([L, W], global memory) against the buffer, computed by one warp;
+// every lane returns it. Equal to selection_core.h's delta_cost.
+__device__ double warp_delta(const SelectArgs& a, const Workspace& ws,
+                             const uint64_t* global_node) {
   const int lane = threadIdx.x % 32;
+  const uint64_t* node = stage_candidate(a, ws, global_node);
   if (!a.ep && a.weights == nullptr) {
     // An integer count: any order gives the same sum.
     uint64_t count = 0;
@@ -322,8 +374,7 @@ __device__ void prefetch_frontier(const SelectArgs& a, const Workspace& ws, int6
   const int lane = threadIdx.x % 32;
   const int64_t n = a.num_nodes, bytes = a.layers * a.words * 8;
   for (int64_t i = helper; i < n; i += helpers) {
-    if (!can_take(ws.selected + k * n, ws.parents + k * n, a.prob + (first + k) * n, i, n,
-                  a.min_score)) {
+    if (!can_take(ws.selected + k * n, ws.parents + k * n, ws.prob + k * n, i, n, a.min_score)) {
       continue;
     }
     const uintptr_t start = reinterpret_cast<uintptr_t>(a.experts + ((first + k) * n + i) *
@@ -341,10 +392,10 @@ __device__ void prefetch_frontier(const SelectArgs& a, const Workspace& ws, int6
 // by the last warp when the next request is another (its flags cannot change in this turn),
 // in phase 2 by warp 0 when it is the same. Every thread returns the same answer: whether a
 // node was taken. `tokens`, `cost`: the adaptive account (the same in every thread).
-// `taken`: request k's candidates taken so far, which set its next one's scheduled cost.
+// ws.taken[k]: request k's candidates taken so far, which set its next one's scheduled cost.
 __device__ bool take_turn(const SelectArgs& a, const Workspace& ws, int64_t first, int64_t k,
                           int64_t next, int parity, int64_t* counts, Best* slots, double* tokens,
-                          double* cost, int64_t taken) {
+                          double* cost) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t n = a.num_nodes, lw = a.layers * a.words, b = first + k;
   const int64_t* list = ws.frontier + parity * n;
@@ -352,7 +403,7 @@ __device__ bool take_turn(const SelectArgs& a, const Workspace& ws, int64_t firs
   const int64_t frontier = counts[parity];
   // The same multiplications, in the same order, as the CPU op's running price.
   double price = a.candidate_cost;
-  for (int64_t j = 0; j < taken; ++j) price = mul_rn(price, a.candidate_decay);
+  for (int64_t j = 0; j < ws.taken[k]; ++j) price = mul_rn(price, a.candidate_decay);
   const double eps = candidate_eps(a.eps, price);
   // Phase 1: one warp per frontier candidate.
   Best mine{0.0, -1, 0.0};
@@ -360,7 +411,7 @@ __device__ bool take_turn(const SelectArgs& a, const Workspace& ws, int64_t firs
     const int64_t i = list[j];
     const double delta =
         needs_buffer(a) ? warp_delta(a, ws, a.experts + (b * n + i) * lw) : 0.0;
-    const double priority = node_priority(a.policy, a.prob[b * n + i], delta, eps);
+    const double priority = node_priority(a.policy, ws.prob[k * n + i], delta, eps);
     mine = better_of(mine, Best{priority, i, delta});
   }
   if (lane == 0) slots[warp] = mine;
@@ -384,12 +435,15 @@ __device__ bool take_turn(const SelectArgs& a, const Workspace& ws, int64_t firs
   if (take && a.policy == Policy::kAdaptive) {
     take = raises_throughput(best.priority, *tokens, *cost);
     if (take) {
-      *tokens = add_rn(*tokens, a.prob[b * n + best.index]);
+      *tokens = add_rn(*tokens, ws.prob[k * n + best.index]);
       *cost = add_rn(*cost, add_rn(best.delta, eps));
     }
   }
   if (warp == 0) {
-    if (take && lane == 0) ws.selected[k * n + best.index] = 1;
+    if (take && lane == 0) {
+      ws.selected[k * n + best.index] = 1;
+      ++ws.taken[k];
+    }
     __syncwarp();
     if (next == k) list_frontier(a, ws, first, next, next_list, counts + 1 - parity);
   } else if (take && needs_buffer(a)) {
@@ -416,13 +470,6 @@ __device__ bool take_turn(const SelectArgs& a, const Workspace& ws, int64_t firs
   }
   __syncthreads();
   return take;
-}
-
-// How many candidates request k of the block has taken (every thread reads the same flags).
-__device__ int64_t taken_count(const SelectArgs& a, const Workspace& ws, int64_t k) {
-  int64_t taken = 0;
-  for (int64_t i = 0; i < a.num_nodes; ++i) taken += ws.selected[k * a.num_nodes + i] != 0;
-  return taken;
 }
 
 // Writes each request's selected candidates ascending, then -1 padding (a warp per request).
@@ -462,7 +509,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(SelectArgs a)
     bool any = false;
     for (int64_t k = 0; k < group; ++k, parity ^= 1) {
       any |= take_turn(a, ws, first, k, (k + 1) % group, parity, frontier_counts, slots, &tokens,
-                       &cost, taken_count(a, ws, k));
+                       &cost);
     }
     // A round in which no request took a node changed nothing: the next ones would repeat it.
     if (!any) break;
