@@ -27,7 +27,7 @@ backends (``full`` and ``breakable``, ``capture_one``) run two eager warm-up for
 graph before capturing it, and those create it; a layer met for the first time inside a
 capture falls back (with its reason logged) instead.
 Checked on the CPU (a traced host side replays on new routing, the hook computes under a
-simulated capture); the capture on a GPU (``scripts/gpu_graph_check.py``) has not run yet.
+simulated capture); the capture on a GPU is checked by ``scripts/gpu_check/graph_check.py``.
 
 Layers the kernel does not cover fall back to SGLang's path, with one warning per reason
 saying that SGLang's MoE is used: quantised or wrapped experts (fp8, MXFP4, ...), another
