@@ -27,6 +27,14 @@ for path in IMPORT_PATHS:
         sys.path.insert(0, path)
 
 
+def use_test_helpers() -> None:
+    """Puts test/ and test/ops/ on the import path: stages reuse the tests' inputs and
+    checks (test_verify_moe.py's) rather than copies of them."""
+    for path in (ROOT / "test", ROOT / "test" / "ops"):
+        if str(path) not in sys.path:
+            sys.path.append(str(path))
+
+
 def parse_args(description: str, argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", type=Path, required=True, help="folder of the stage's JSON")

@@ -161,21 +161,16 @@ def check_selection(record, device, dry_run):
                                   args, kwargs)  # fmt: skip
 
 
-def moe_inputs(case, dtype, device, seed=0):
+def moe_inputs(case, dtype: torch.dtype, device):
+    """test_verify_moe.py's inputs for ``case`` on ``device`` (padded rows: ids -1, NaN
+    hidden rows and weights, which the kernel must never read)."""
+    common.use_test_helpers()
+    from test_verify_moe import make_inputs
+
     tokens, hidden, inter, experts, top_k, shared, padded = case
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=gen)
-    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
-    w2 = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
-    if shared or not tokens:
-        ids = torch.randperm(experts, generator=gen)[:top_k].repeat(tokens, 1)
-    else:
-        ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
-    weights = torch.rand(tokens, top_k, generator=gen)
-    if padded:
-        ids[tokens - padded :] = -1
-    tensors = [x.to(dtype), w13.to(dtype), w2.to(dtype), ids, weights]
-    return [t.to(device) for t in tensors]
+    dtype_name = str(dtype).removeprefix("torch.")
+    inputs = make_inputs(tokens, hidden, inter, experts, top_k, dtype_name, shared, padded)
+    return [t.to(device) for t in inputs]
 
 
 def check_verify_moe(record, device, dry_run):

@@ -9,6 +9,7 @@ checks this module's logic, not graph capture.
 """
 
 import torch
+from common import graph_of
 from selection_cases import rank_major_placement, selection_kwargs, sglang_tree
 
 from sgl_ecospec import select_verify_set
@@ -27,15 +28,7 @@ class Captured:
     def __init__(self, fn, device: torch.device):
         self.fn, self.graph = fn, None
         if device.type == "cuda":
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(3):
-                    fn()
-            torch.cuda.current_stream().wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.outputs = fn()
+            self.graph, self.outputs = graph_of(fn)
 
     def replay(self):
         if self.graph is None:

@@ -6,8 +6,6 @@ weights would be read from a wrapped address. Only the experts in use are filled
 of the 22 GB stays uninitialised. A dry run checks the offset arithmetic at that shape under
 Triton's interpreter (test/ops/test_verify_moe.py's check) instead. Writes probe.json."""
 
-import sys
-
 import common
 import torch
 
@@ -39,7 +37,7 @@ def probe_gpu(record, device):
 
 
 def probe_interpreter(record):
-    sys.path[:0] = [str(common.ROOT / "test" / "ops"), str(common.ROOT / "test")]
+    common.use_test_helpers()
     from test_verify_moe import check_offsets_are_64_bit
 
     check_offsets_are_64_bit()
