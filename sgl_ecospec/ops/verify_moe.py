@@ -13,12 +13,17 @@ EcoSpec's buffer and predictor work with, into a new tensor or a persistent one
 Padded rows (expert id -1, SGLang's mask for the padding of a graph batch) load no expert,
 set no bit and give zero output rows; their hidden rows are never read.
 
-CUDA graphs: the host side makes no host sync and no data-dependent shape (the grouping is
-argsort, scatter-add and cumsum; the launch grids depend on shapes only; the padding is a
-mask), so a call can be captured with static shapes and replayed on new inputs written in
-place, the bitmap going to ``bitmap_out``. Proved on the CPU (``test/ops/test_verify_moe.py``:
-a ``make_fx`` trace of the host side replays on new routing); the capture itself is checked
-by the device check (``scripts/gpu_check.sh``).
+A call is four launches: the route kernel groups the (token, expert) pairs by expert (one
+program sorts them; calls of more than ``ROUTE_MAX_PAIRS`` pairs group with tensor ops
+instead), the two projections, and the combine kernel that sums each token's K rows in slot
+order (deterministic) and casts them.
+
+CUDA graphs: the host side makes no host sync and no data-dependent shape (the launch grids
+depend on shapes only; the padding is a mask; the tensor-op grouping is argsort,
+scatter-add and cumsum), so a call can be captured with static shapes and replayed on new
+inputs written in place, the bitmap going to ``bitmap_out``. Proved on the CPU
+(``test/ops/test_verify_moe.py``: a ``make_fx`` trace of the tensor-op grouping replays on new
+routing); the capture itself is checked by the device check (``scripts/gpu_check.sh``).
 
 Shape legend: T = tokens, H = hidden size, I = expert intermediate size, E = experts,
 K = experts per token, P = T * K (token, expert) pairs, W = ceil(E / 64).
@@ -137,7 +142,8 @@ def verify_moe_reference(hidden, w13, w2, topk_ids, topk_weights):
 def _group_by_expert(topk_ids: torch.Tensor, experts: int):
     """(pairs sorted by expert int64 ``[P]``, padded pairs (id < 0) last; start of each
     expert's run int64 ``[E + 1]``, the last entry the number of unpadded pairs), with
-    tensor ops only (no host sync, shapes from the inputs' shapes alone)."""
+    tensor ops only (no host sync, shapes from the inputs' shapes alone): the grouping of
+    calls with more pairs than the route kernel sorts, and its reference."""
     flat = topk_ids.reshape(-1).long()
     bucket = torch.where(flat < 0, experts, flat)  # padded pairs: one bucket after the experts
     order = torch.argsort(bucket, stable=True)
@@ -149,14 +155,31 @@ def _group_by_expert(topk_ids: torch.Tensor, experts: int):
     return order, starts
 
 
-def _sum_pairs(per_pair: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """float32 ``[T, H]``: each token's K weighted expert rows (``per_pair`` float32
-    ``[T * K, H]``, rows of padded pairs never written) summed, padded pairs as 0."""
-    tokens, top_k = topk_ids.shape
-    rows = per_pair.view(tokens, top_k, -1)
-    rows.masked_fill_((topk_ids < 0).unsqueeze(-1), 0.0)
-    # Summing each token's K rows here, not with atomics, keeps the result deterministic.
-    return rows.sum(1)
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+# The route kernel sorts a call's (token, expert) pairs in one program, as one launch instead
+# of the eight or so of the tensor-op grouping (which bound small calls on an H200: about
+# 70 us at T = 1); up to this many pairs (64 tokens x top-8 is 512).
+ROUTE_MAX_PAIRS = 8192
+# Elements of the [experts, pairs] comparison that one step of the route kernel holds.
+ROUTE_TILE = 8192
+
+
+def _group_pairs(topk_ids: torch.Tensor, experts: int):
+    """``_group_by_expert``'s result, by the route kernel when the pairs fit one program."""
+    pairs = topk_ids.numel()
+    if pairs > ROUTE_MAX_PAIRS:
+        return _group_by_expert(topk_ids, experts)
+    block_p = max(16, _next_power_of_2(pairs))
+    block_e = max(1, min(_next_power_of_2(experts + 1), ROUTE_TILE // block_p))
+    order = torch.empty(pairs, dtype=torch.int64, device=topk_ids.device)
+    starts = torch.empty(experts + 1, dtype=torch.int64, device=topk_ids.device)
+    _route_kernel[(1,)](
+        topk_ids.contiguous(), order, starts, pairs, experts, BLOCK_P=block_p, BLOCK_E=block_e
+    )
+    return order, starts
 
 
 # A program keeps up to this many of its expert's pairs in registers, so each weight tile is
@@ -182,7 +205,8 @@ def _verify_moe_triton(hidden, w13, w2, topk_ids, topk_weights, bitmap_out=None)
     if tokens == 0:
         return hidden.new_empty((0, hidden_size)), step.zero_()
     hidden, w13, w2 = hidden.contiguous(), w13.contiguous(), w2.contiguous()
-    pairs, starts = _group_by_expert(topk_ids, experts)
+    topk_ids = topk_ids.contiguous()
+    pairs, starts = _group_pairs(topk_ids, experts)
     weights = topk_weights.reshape(-1).float().contiguous()
     # 16-bit activations stay 16-bit between the projections (as in SGLang's fused MoE), so
     # the down projection runs on tensor cores; float32 stays float32 (IEEE dots).
@@ -202,10 +226,51 @@ def _verify_moe_triton(hidden, w13, w2, topk_ids, topk_weights, bitmap_out=None)
         act.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee,
     )  # fmt: skip
-    return _sum_pairs(per_pair, topk_ids).to(hidden.dtype), step
+    out = torch.empty((tokens, hidden_size), dtype=hidden.dtype, device=hidden.device)
+    _combine_kernel[(tokens, triton.cdiv(hidden_size, 128))](
+        per_pair, topk_ids, out, hidden_size, per_pair.stride(0), out.stride(0),
+        TOP_K=top_k, BLOCK_H=128,
+    )  # fmt: skip
+    return out, step
 
 
 if triton is not None:
+
+    @triton.jit
+    def _route_kernel(ids_ptr, pairs_ptr, starts_ptr, P, E, BLOCK_P: tl.constexpr,
+                      BLOCK_E: tl.constexpr):  # fmt: skip
+        """One program: the P pairs sorted by expert, padded ones (id < 0) last, each expert's
+        run in pair order (keys bucket x BLOCK_P + pair are distinct, so the sort is
+        stable), and starts[e] = the pairs of experts below e, for e in [0, E]."""
+        offs = tl.arange(0, BLOCK_P)
+        ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1).to(tl.int64)
+        bucket = tl.where(ids < 0, E, ids)
+        bucket = tl.where(offs < P, bucket, E + 1)  # lanes past P sort after everything
+        key = tl.sort(bucket * BLOCK_P + offs)
+        tl.store(pairs_ptr + offs, key % BLOCK_P, mask=offs < P)
+        for e0 in range(0, E + 1, BLOCK_E):
+            offs_e = e0 + tl.arange(0, BLOCK_E)
+            below = key[None, :] < offs_e[:, None].to(tl.int64) * BLOCK_P
+            tl.store(starts_ptr + offs_e, tl.sum(below.to(tl.int64), axis=1), mask=offs_e <= E)
+
+    @triton.jit
+    def _combine_kernel(per_pair_ptr, ids_ptr, out_ptr, hidden, stride_pair, stride_out,
+                        TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
+        """Program (t, h-tile): out[t] = the sum of token t's K weighted expert rows, in
+        slot order (deterministic: no atomics), padded pairs' rows (never written) skipped,
+        cast to the output's dtype."""
+        t = tl.program_id(0)
+        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < hidden
+        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            pair = t.to(tl.int64) * TOP_K + k
+            expert = tl.load(ids_ptr + pair)
+            row = tl.load(per_pair_ptr + pair * stride_pair + offs_h, mask=mask_h & (expert >= 0),
+                          other=0.0)  # fmt: skip
+            acc += row
+        tl.store(out_ptr + t.to(tl.int64) * stride_out + offs_h,
+                 acc.to(out_ptr.dtype.element_ty), mask=mask_h)  # fmt: skip
 
     @triton.jit
     def expert_tile_offsets(e, offs_k, offs_n, stride_e, stride_n):

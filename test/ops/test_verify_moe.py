@@ -12,7 +12,6 @@ from sgl_ecospec.ops.bitmaps import num_words
 from sgl_ecospec.ops.verify_moe import (
     BLOCK_M_MAX,
     _group_by_expert,
-    _sum_pairs,
     pairs_per_program,
     triton,
     verify_moe,
@@ -127,42 +126,36 @@ def test_bad_shapes_are_rejected():
         verify_moe(x, w13, w2, ids, weights, bitmap_out=strided)
 
 
-# --- the host side under tracing (the CPU stand-in for CUDA-graph capture) -------------------
+# --- the grouping of large calls under tracing (the CPU stand-in for CUDA-graph capture) ----
 
-E, T, K, H = 70, 6, 4, 8
-
-
-def host_side(topk_ids, per_pair):
-    """What ``_verify_moe_triton`` computes around its two launches: the grouping (whose run
-    starts the kernel turns into the bitmap) and the sum over each token's pairs with the
-    padded ones masked."""
-    pairs, starts = _group_by_expert(topk_ids, E)
-    return pairs, starts, _sum_pairs(per_pair.clone(), topk_ids)
+E, T, K = 70, 6, 4
 
 
-def routing(seed: int, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
+def host_side(topk_ids):
+    """The tensor-op grouping that calls with more pairs than the route kernel sorts use
+    (the run starts the kernel turns into the bitmap)."""
+    return _group_by_expert(topk_ids, E)
+
+
+def routing(seed: int, padded: int, tokens: int = T, experts: int = E, top_k: int = K):
     """ids int64 ``[T, K]`` with ``padded`` rows of -1 at the end (and one padded pair in
-    the last real row), and per-pair rows float32 ``[T * K, H]`` (NaN where padded: those
-    rows are never written by the kernel)."""
+    the last real row)."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
     if padded:
-        ids[T - padded :] = -1
-        ids[T - padded - 1, 0] = -1
-    per_pair = torch.randn(T * K, H, generator=gen)
-    per_pair[ids.reshape(-1) < 0] = float("nan")
-    return ids, per_pair
+        ids[tokens - padded :] = -1
+        if tokens > padded:
+            ids[tokens - padded - 1, 0] = -1
+    return ids
 
 
-def check_host_side(ids, per_pair, pairs, starts, summed):
-    """The grouping and sum mean what the kernels rely on."""
+def check_grouping(ids, pairs, starts, experts=E):
+    """The grouping means what the kernels rely on."""
     flat = ids.reshape(-1)
-    for e in range(E):
+    for e in range(experts):
         run = pairs[starts[e] : starts[e + 1]]
         assert torch.equal(run, (flat == e).nonzero().flatten()), e  # expert e's pairs, in order
-    assert torch.equal(pairs[starts[E] :], (flat < 0).nonzero().flatten())  # padding last
-    expected = torch.where(ids.unsqueeze(-1) < 0, 0.0, per_pair.view(T, K, H)).sum(1)
-    torch.testing.assert_close(summed, expected)
+    assert torch.equal(pairs[starts[experts] :], (flat < 0).nonzero().flatten())  # padding last
     # The bitmap the kernel writes from the run starts: experts with a run, padding none.
     active = (starts[1:] > starts[:-1]).nonzero().flatten().tolist()
     assert active == sorted({int(e) for e in flat if e >= 0})
@@ -172,19 +165,17 @@ def test_host_side_traced_once_replays_on_new_routing():
     # make_fx records the aten ops once; replaying the graph runs no Python, so a value read
     # on the host at trace time (a count, a padding length) would stay frozen, as in a CUDA
     # graph. The trace starts without padding and replays on routings with padded rows.
-    ids, per_pair = routing(seed=0, padded=0)
-    graph = make_fx(host_side)(ids, per_pair)
-    first = graph(ids, per_pair)
+    ids = routing(seed=0, padded=0)
+    graph = make_fx(host_side)(ids)
+    first = graph(ids)
     for seed, padded in [(1, 2), (2, 0), (3, 5)]:
-        new_ids, new_rows = routing(seed, padded)
-        ids.copy_(new_ids)
-        per_pair.copy_(new_rows)
-        replayed, eager = graph(ids, per_pair), host_side(ids, per_pair)
+        ids.copy_(routing(seed, padded))
+        replayed, eager = graph(ids), host_side(ids)
         for got, want in zip(replayed, eager, strict=True):
             assert torch.equal(got, want)
-        check_host_side(ids, per_pair, *replayed)
+        check_grouping(ids, *replayed)
         assert not torch.equal(replayed[1], first[1])  # the starts followed the new routing
-    assert host_syncs(host_side, ids, per_pair) == []
+    assert host_syncs(host_side, ids) == []
 
 
 # --- the kernel under Triton's interpreter ---------------------------------------------------
@@ -218,12 +209,42 @@ def check_offsets_are_64_bit() -> None:
     assert int(expected[-1]) > 2**31 and int(int32[-1]) != (experts - 1) * rows * hidden
 
 
+# (tokens, experts, top_k, padded rows): 1 pair, E = 1, E not a multiple of 64, 1040 pairs
+# (a comparison tile of 4 experts x 2048 lanes).
+ROUTE_CASES = [(1, 70, 1, 0), (3, 5, 2, 1), (6, 70, 4, 2), (64, 256, 8, 3), (130, 128, 8, 0)]
+ROUTE_CASES += [(2, 1, 1, 1)]
+
+
+def check_route_kernel() -> None:
+    """The route kernel's grouping equals the tensor ops' (and means what the kernels rely
+    on) from 1 pair to more than one comparison tile, with padding; a call with more pairs
+    than it sorts takes the tensor ops and gives the same MoE output."""
+    from sgl_ecospec.ops import verify_moe as module
+
+    for tokens, experts, top_k, padded in ROUTE_CASES:
+        ids = routing(seed=tokens, padded=padded, tokens=tokens, experts=experts, top_k=top_k)
+        for index in (ids, ids.int()):
+            pairs, starts = module._group_pairs(index, experts)
+            assert torch.equal(pairs, _group_by_expert(index, experts)[0]), (tokens, experts)
+            assert torch.equal(starts, _group_by_expert(index, experts)[1]), (tokens, experts)
+            check_grouping(index, pairs, starts, experts)
+    inputs = make_inputs(6, 32, 16, 70, 4, "float32", False, 2)
+    routed = verify_moe(*inputs, impl="triton")
+    limit, module.ROUTE_MAX_PAIRS = module.ROUTE_MAX_PAIRS, 8
+    try:
+        grouped = verify_moe(*inputs, impl="triton")
+    finally:
+        module.ROUTE_MAX_PAIRS = limit
+    assert torch.equal(routed[0], grouped[0]) and torch.equal(routed[1], grouped[1])
+
+
 def compare_with_triton() -> int:
     """Runs in a fresh interpreter with TRITON_INTERPRET=1: every case through the Triton
     path, with a new bitmap and with a stale persistent one, against the reference; then
-    T = 0 and the 64-bit weight offsets (two more checks in the count)."""
+    T = 0, the 64-bit weight offsets and the route kernel (three more checks in the count)."""
     check_no_tokens("triton")
     check_offsets_are_64_bit()
+    check_route_kernel()
     for case in CASES:
         inputs = make_inputs(*case)
         ref, ref_step = verify_moe_reference(*inputs)
@@ -238,11 +259,11 @@ def compare_with_triton() -> int:
         padded = case[-1]
         if padded:
             assert (out[-padded:] == 0).all() and out.isfinite().all(), case
-    return len(CASES) + 2
+    return len(CASES) + 3
 
 
 def test_triton_kernel_matches_reference_under_interpreter():
-    assert compared_under_interpreter(__file__) == len(CASES) + 2
+    assert compared_under_interpreter(__file__) == len(CASES) + 3
 
 
 # On a GPU every case also in bf16 (the interpreter cannot multiply bf16).
