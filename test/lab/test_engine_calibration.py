@@ -3,7 +3,6 @@
 tokens recorded (raw and calibrated), one calibrator learning across calls."""
 
 import pytest
-import torch
 from _models import random_prompts, tiny_engine
 
 from sgl_ecospec.acceptance import AcceptanceCalibrator
@@ -17,11 +16,8 @@ PROMPTS = random_prompts(3, seed=1)
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: intra-op threads only spin on a busy machine
-    yield tiny_engine(tmp_path_factory.mktemp("calibration"), PROMPTS, MAX_NEW + 8)
-    torch.set_num_threads(threads)
+def engine(tmp_path_factory, one_thread):
+    return tiny_engine(tmp_path_factory.mktemp("calibration"), PROMPTS, MAX_NEW + 8)
 
 
 @pytest.fixture(scope="module")

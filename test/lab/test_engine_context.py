@@ -20,11 +20,8 @@ PROMPTS = random_prompts(3, seed=1)
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield tiny_engine(tmp_path_factory.mktemp("engine_context"), PROMPTS, MAX_NEW + 8)
-    torch.set_num_threads(threads)
+def engine(tmp_path_factory, one_thread):
+    return tiny_engine(tmp_path_factory.mktemp("engine_context"), PROMPTS, MAX_NEW + 8)
 
 
 @pytest.fixture(scope="module")

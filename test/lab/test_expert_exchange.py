@@ -108,11 +108,8 @@ MAX_NEW = 16
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield tiny_engine(tmp_path_factory.mktemp("engine_exchange"), PROMPTS, MAX_NEW + 8)
-    torch.set_num_threads(threads)
+def engine(tmp_path_factory, one_thread):
+    return tiny_engine(tmp_path_factory.mktemp("engine_exchange"), PROMPTS, MAX_NEW + 8)
 
 
 def test_the_engine_scales_its_layer_weights_by_the_measured_rate(engine):
