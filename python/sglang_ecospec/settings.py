@@ -174,11 +174,12 @@ class EcoSpecSettings:
     verify_moe_kernel: bool = False
     calibrated_acceptance: bool = True
     gate: bool = True
-    gate_probe_interval: int = 128
-    gate_max_probe_interval: int = 2048
-    gate_probe_steps: int = 3
-    gate_min_samples: int = 4
-    gate_probe_budget: float = 0.01
+    # The gate's defaults are GateOptions' own.
+    gate_probe_interval: int = GateOptions.probe_interval
+    gate_max_probe_interval: int = GateOptions.max_probe_interval
+    gate_probe_steps: int = GateOptions.probe_steps
+    gate_min_samples: int = GateOptions.min_samples
+    gate_probe_budget: float = GateOptions.probe_budget
 
     def __post_init__(self):
         if self.policy == "adaptive" and self.eps != AUTO:
