@@ -2,6 +2,7 @@
 spies on the selection step, and model directories holding only a config (for SGLang's
 server-argument resolution)."""
 
+import dataclasses
 import json
 
 import torch
@@ -61,12 +62,14 @@ def assert_valid_selection(tree, got, ndt, topk=3):
 
 
 def spy_on_selection(monkeypatch):
-    """Records the keyword arguments of every select_verify_set call the selector makes."""
+    """Records the keyword arguments of every select_verify_set call the selector makes, the
+    options' fields (policy, eps, ...) among them."""
     calls = []
     real = library_step.select_verify_set
 
     def spy(*args, **kwargs):
-        calls.append(kwargs)
+        fields = dataclasses.asdict(kwargs["options"])
+        calls.append({**fields, **kwargs})
         return real(*args, **kwargs)
 
     monkeypatch.setattr(library_step, "select_verify_set", spy)
