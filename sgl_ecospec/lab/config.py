@@ -16,7 +16,7 @@ import sys
 
 from sgl_ecospec.costmodel.profiles import HARDWARE, MODELS, get_hardware, get_model
 from sgl_ecospec.lab.costmodel_report import parse_positive_ints
-from sgl_ecospec.ops.selection import DEFAULT_EPS, POLICIES, SelectionOptions
+from sgl_ecospec.ops.options import POLICIES, SelectionOptions
 from sgl_ecospec.predictors.catalog import ONLINE_PREDICTORS
 
 # The peers of ../shared/docs/PEERS.md as benchmark policies (docs/bench.md, "Peers"):
@@ -144,7 +144,7 @@ class BenchConfig(_Config):
     policies: tuple[str, ...] = ("confidence", "ecospec")
     predictor: str = "online"
     predictor_file: str | None = None
-    eps: float = DEFAULT_EPS
+    eps: float = SelectionOptions.eps
     share_buffer: bool = True
     calibrated_acceptance: bool = False
     recall_weighted_cost: bool = False
