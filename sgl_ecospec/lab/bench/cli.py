@@ -73,10 +73,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     data.add_argument("--num-prompts", type=int, default=16, help="prompts per dataset")
     data.add_argument("--seed", type=int, default=0, help="picks the prompt subset")
-    gen = parser.add_argument_group("decoding")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--batch-size", type=int, default=1, help="prompts per batch")
-    arguments.add_tree_arguments(gen)
+    gen = arguments.add_decoding_group(parser, batch_size=1)
     gen.add_argument("--budgets", help="comma-separated budgets for the sweep and the plot")
     gen.add_argument(
         "--policy",
