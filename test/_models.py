@@ -136,6 +136,18 @@ def tiny_chat_models(root, texts, draft_steps):
     return target, sequences
 
 
+def tiny_engine_fixture(name, prompts, new_tokens):
+    """A module-scoped pytest fixture ``engine``: :func:`tiny_engine` built once in a
+    temporary folder ``name``, run on one intra-op thread (conftest's ``one_thread``)."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def engine(tmp_path_factory, one_thread):
+        return tiny_engine(tmp_path_factory.mktemp(name), prompts, new_tokens)
+
+    return engine
+
+
 def byte_tokenizer():
     """Byte-level tokenizer (259 ids, within the tiny target's vocab of 512) with a chat
     template."""

@@ -3,7 +3,7 @@
 tokens recorded (raw and calibrated), one calibrator learning across calls."""
 
 import pytest
-from _models import random_prompts, tiny_engine
+from _models import random_prompts, tiny_engine_fixture
 
 from sgl_ecospec.acceptance import AcceptanceCalibrator
 from sgl_ecospec.lab.bench import metrics
@@ -15,9 +15,7 @@ MAX_NEW = 24
 PROMPTS = random_prompts(3, seed=1)
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory, one_thread):
-    return tiny_engine(tmp_path_factory.mktemp("calibration"), PROMPTS, MAX_NEW + 8)
+engine = tiny_engine_fixture("calibration", PROMPTS, MAX_NEW + 8)
 
 
 @pytest.fixture(scope="module")
