@@ -46,6 +46,15 @@ def make_selector(policy="confidence", share_buffer=True, num_experts=16, max_ba
     )
 
 
+def cpu_runtime(settings, model_config, topk, num_steps, num_draft_tokens, max_batch=4):
+    """An ``EcoSpecRuntime`` on the CPU for a draft tree of ``topk`` x ``num_steps`` and
+    ``num_draft_tokens`` verified rows per request."""
+    from sglang_ecospec.runtime import EcoSpecRuntime
+
+    tree = dict(topk=topk, num_steps=num_steps, num_draft_tokens=num_draft_tokens)
+    return EcoSpecRuntime(settings, model_config, **tree, max_batch=max_batch, device="cpu")
+
+
 def assert_valid_selection(tree, got, ndt, topk=3):
     score_list, token_list, parents_list = tree
     parent_list, index, draft_tokens = got
