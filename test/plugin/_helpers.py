@@ -46,13 +46,13 @@ def make_selector(policy="confidence", share_buffer=True, num_experts=16, max_ba
     )
 
 
-def cpu_runtime(settings, model_config, topk, num_steps, num_draft_tokens, max_batch=4):
-    """An ``EcoSpecRuntime`` on the CPU for a draft tree of ``topk`` x ``num_steps`` and
-    ``num_draft_tokens`` verified rows per request."""
+def cpu_runtime(settings, model_config, topk, num_draft_tokens, max_batch=4, **extra):
+    """An ``EcoSpecRuntime`` on the CPU for a draft tree of branching ``topk`` and
+    ``num_draft_tokens`` verified rows per request (``extra``: its other keywords)."""
     from sglang_ecospec.runtime import EcoSpecRuntime
 
-    tree = dict(topk=topk, num_steps=num_steps, num_draft_tokens=num_draft_tokens)
-    return EcoSpecRuntime(settings, model_config, **tree, max_batch=max_batch, device="cpu")
+    tree = dict(topk=topk, num_draft_tokens=num_draft_tokens, max_batch=max_batch)
+    return EcoSpecRuntime(settings, model_config, **tree, device="cpu", **extra)
 
 
 def assert_valid_selection(tree, got, ndt, topk=3):

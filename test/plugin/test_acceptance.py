@@ -56,7 +56,7 @@ def make_runtime(**settings):
 
     config = Qwen2MoeConfig(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
     values = {"log_interval": 1, "num_buckets": 64, "learn": False, **settings}
-    return cpu_runtime(EcoSpecSettings(**values), config, TOPK, STEPS, NDT)
+    return cpu_runtime(EcoSpecSettings(**values), config, TOPK, NDT, num_steps=STEPS)
 
 
 def decode_step(runtime, accept_index, tree=None):

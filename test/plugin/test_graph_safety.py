@@ -140,7 +140,7 @@ def test_after_verify_is_a_few_kernels_without_host_sync(monkeypatch):
 
     config = Qwen2MoeConfig(num_hidden_layers=L, num_experts=E, num_experts_per_tok=K)
     settings = EcoSpecSettings(log_interval=1, num_buckets=64)  # a snapshot after every step
-    runtime = cpu_runtime(settings, config, TOPK, STEPS, NDT)
+    runtime = cpu_runtime(settings, config, TOPK, NDT, num_steps=STEPS)
     reads = spy_on_host_reads(monkeypatch)
     try:
         tree = sglang_draft_tree(BATCH, TOPK, STEPS, seed=3)
