@@ -11,31 +11,33 @@
 // Schemas (torch.ops.sgl_ecospec.*); semantics in sgl_ecospec/ops/{bitmaps,selection}.py.
 #define SGL_ECOSPEC_TOPK_TO_BITMAP_SCHEMA "topk_to_bitmap(Tensor topk_ids, int num_experts) -> Tensor"
 #define SGL_ECOSPEC_BITMAP_POPCOUNT_SCHEMA "bitmap_popcount(Tensor bitmaps) -> Tensor"
-// select_verify_set's tensors come first, then the scalar options that
-// sgl_ecospec.ops.selection.native_arguments lists in this order: a schema cannot take a
-// struct, so the options travel as scalars and checks.cpp gathers them into one
-// SelectOptions (selection_call.h), checked once per call.
-#define SGL_ECOSPEC_SELECT_VERIFY_SET_SCHEMA                                              \
-  "select_verify_set(Tensor scores, Tensor parents, Tensor node_experts, int budget, "    \
-  "Tensor? root_experts, Tensor? layer_weights, Tensor? expert_rank, str policy, "        \
-  "float eps, bool share_buffer, int num_ranks, float total_weight, float step_tokens, "  \
-  "float? step_cost, float candidate_cost, float candidate_decay, float min_score) -> Tensor"
+// select_verify_set's scalar options travel as schema arguments, in the order
+// sgl_ecospec.ops.selection.native_arguments lists them: a schema cannot take a struct, so
+// checks.cpp gathers them into one SelectOptions (selection_call.h), checked once per call.
+// The arguments added after the first release keep schema defaults, so raw callers written
+// before them still work (test/ops/test_native.py); step_cost is optional because only
+// "adaptive" reads it (the Python layer passes None for the other policies).
+#define SGL_ECOSPEC_SELECT_VERIFY_SET_SCHEMA                                      \
+  "select_verify_set(Tensor scores, Tensor parents, Tensor node_experts, int budget, " \
+  "Tensor? root_experts, str policy, float eps, bool share_buffer, "              \
+  "Tensor? layer_weights, Tensor? expert_rank=None, int num_ranks=1, "            \
+  "float total_weight=0.0, float step_tokens=1.0, float? step_cost=1.0, "        \
+  "float candidate_cost=0.0, float candidate_decay=1.0, float min_score=0.0) -> Tensor"
 
 // The C++ parameter list matching SGL_ECOSPEC_SELECT_VERIFY_SET_SCHEMA, taken only by the
 // registered kernel (select_verify_set_kernel, checks.h) and by the check it calls;
 // SGL_ECOSPEC_SELECT_VERIFY_SET_ARGS forwards them.
 #define SGL_ECOSPEC_SELECT_VERIFY_SET_PARAMS                                                  \
   const at::Tensor &scores, const at::Tensor &parents, const at::Tensor &node_experts,       \
-      int64_t budget, const std::optional<at::Tensor> &root_experts,                         \
-      const std::optional<at::Tensor> &layer_weights,                                         \
-      const std::optional<at::Tensor> &expert_rank, const std::string &policy, double eps,   \
-      bool share_buffer, int64_t num_ranks, double total_weight, double step_tokens,          \
-      std::optional<double> step_cost, double candidate_cost, double candidate_decay,        \
-      double min_score
+      int64_t budget, const std::optional<at::Tensor> &root_experts, const std::string &policy, \
+      double eps, bool share_buffer, const std::optional<at::Tensor> &layer_weights,          \
+      const std::optional<at::Tensor> &expert_rank, int64_t num_ranks, double total_weight,   \
+      double step_tokens, std::optional<double> step_cost, double candidate_cost,             \
+      double candidate_decay, double min_score
 #define SGL_ECOSPEC_SELECT_VERIFY_SET_ARGS                                                  \
-  scores, parents, node_experts, budget, root_experts, layer_weights, expert_rank, policy, \
-      eps, share_buffer, num_ranks, total_weight, step_tokens, step_cost, candidate_cost,  \
-      candidate_decay, min_score
+  scores, parents, node_experts, budget, root_experts, policy, eps, share_buffer,          \
+      layer_weights, expert_rank, num_ranks, total_weight, step_tokens, step_cost,         \
+      candidate_cost, candidate_decay, min_score
 
 // Declares <op>_<backend> for each op. topk_to_bitmap: topk_ids int32/int64 [..., L, K] ->
 // int64 [..., L, ceil(E / 64)]. bitmap_popcount: int64 [..., W] -> int64 [...].

@@ -176,18 +176,20 @@ def native_arguments(
     total_weight: float,
 ) -> list:
     """The arguments of ``torch.ops.sgl_ecospec.select_verify_set``, in its schema's order
-    (csrc/ecospec_ops.h): the tensors (contiguous; shapes and dtypes as
-    :func:`select_verify_set`), then ``options``' scalars with the EP placement's resolved
-    R and total weight (R = 1, 0.0 without ``expert_rank``)."""
-    tensors = [scores, parents, node_experts]
-    optional = [root_experts, layer_weights, expert_rank]
+    (csrc/ecospec_ops.h): the tensors contiguous (shapes and dtypes as
+    :func:`select_verify_set`), ``options``' scalars, and the EP placement's resolved R and
+    total weight (R = 1, 0.0 without ``expert_rank``)."""
     return [
-        *(t.contiguous() for t in tensors),
+        scores.contiguous(),
+        parents.contiguous(),
+        node_experts.contiguous(),
         budget,
-        *(None if t is None else t.contiguous() for t in optional),
+        _contiguous(root_experts),
         options.policy,
         options.eps,
         options.share_buffer,
+        _contiguous(layer_weights),
+        _contiguous(expert_rank),
         num_ranks,
         total_weight,
         options.step_tokens,
@@ -196,6 +198,10 @@ def native_arguments(
         options.candidate_decay,
         options.min_score,
     ]
+
+
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
 
 
 def _check_inputs(scores, parents, node_experts, budget, root_experts, layer_weights):
