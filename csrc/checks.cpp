@@ -102,8 +102,7 @@ void TensorMatcher::match_impl(const char* name, const at::Tensor& t,
   }
 }
 
-SelectSizes check_select_verify_set_args(SGL_ECOSPEC_SELECT_VERIFY_SET_PARAMS) {
-  (void)share_buffer;  // any bool is valid
+SelectCall check_select_verify_set_args(SGL_ECOSPEC_SELECT_VERIFY_SET_PARAMS) {
   TensorMatcher m("select_verify_set");
   NamedSize B{"B"}, N{"N"}, L{"L"}, W{"W"}, E{"E"};
   m.match("scores", scores, {&B, &N}, kFloatTypes);
@@ -130,6 +129,9 @@ SelectSizes check_select_verify_set_args(SGL_ECOSPEC_SELECT_VERIFY_SET_PARAMS) {
   TORCH_CHECK_VALUE(policy == "confidence" || policy == "ecospec" || policy == "adaptive",
                     "select_verify_set: unknown policy '", policy,
                     "': expected confidence, ecospec or adaptive");
+  const Policy kind = policy == "confidence" ? Policy::kConfidence
+                      : policy == "ecospec"  ? Policy::kEcoSpec
+                                             : Policy::kAdaptive;
   // Comparisons with NaN are false, so each range test below also rejects NaN.
   TORCH_CHECK_VALUE(std::isfinite(eps) && eps > 0,
                     "select_verify_set: eps must be finite and > 0, got ", eps);
@@ -138,8 +140,11 @@ SelectSizes check_select_verify_set_args(SGL_ECOSPEC_SELECT_VERIFY_SET_PARAMS) {
                     "select_verify_set: total_weight must lie in [0, 1], got ", total_weight);
   TORCH_CHECK_VALUE(std::isfinite(step_tokens) && step_tokens >= 0,
                     "select_verify_set: step_tokens must be finite and >= 0, got ", step_tokens);
-  TORCH_CHECK_VALUE(std::isfinite(step_cost) && step_cost > 0,
-                    "select_verify_set: step_cost must be finite and > 0, got ", step_cost);
+  TORCH_CHECK_VALUE(step_cost.has_value() || kind != Policy::kAdaptive,
+                    "select_verify_set: policy 'adaptive' needs step_cost");
+  TORCH_CHECK_VALUE(!step_cost.has_value() || (std::isfinite(*step_cost) && *step_cost > 0),
+                    "select_verify_set: step_cost must be finite and > 0, got ",
+                    step_cost.value_or(0.0));
   TORCH_CHECK_VALUE(std::isfinite(candidate_cost) && candidate_cost >= 0,
                     "select_verify_set: candidate_cost must be finite and >= 0, got ",
                     candidate_cost);
@@ -147,19 +152,53 @@ SelectSizes check_select_verify_set_args(SGL_ECOSPEC_SELECT_VERIFY_SET_PARAMS) {
                     "select_verify_set: candidate_decay must lie in [0, 1], got ", candidate_decay);
   TORCH_CHECK_VALUE(std::isfinite(min_score) && min_score >= 0,
                     "select_verify_set: min_score must be finite and >= 0, got ", min_score);
-  const Policy kind = policy == "confidence" ? Policy::kConfidence
-                      : policy == "ecospec"  ? Policy::kEcoSpec
-                                             : Policy::kAdaptive;
-  return SelectSizes{B.value, N.value, L.value, W.value, E.value, kind};
+  const SelectOptions options{kind,
+                              eps,
+                              share_buffer,
+                              num_ranks,
+                              total_weight,
+                              step_tokens,
+                              step_cost.value_or(0.0),
+                              candidate_cost,
+                              candidate_decay,
+                              min_score};
+  return SelectCall{scores,
+                    parents,
+                    node_experts,
+                    root_experts,
+                    layer_weights,
+                    expert_rank,
+                    SelectShape{B.value, N.value, L.value, W.value, budget},
+                    E.value,
+                    options};
 }
 
-Placement make_placement(const std::optional<at::Tensor>& expert_rank, const SelectSizes& sizes,
-                         int64_t num_ranks, double total_weight, at::Tensor& storage) {
-  if (!expert_rank.has_value()) return Placement{false, nullptr, 0, 0, 1, 0.0};
-  // An asynchronous copy on CUDA; values are not checked (see checks.h).
-  storage = expert_rank->to(at::kLong).contiguous();
-  return Placement{true, storage.data_ptr<int64_t>(), storage.dim() == 2 ? sizes.num_experts : 0,
-                   sizes.num_experts, num_ranks, total_weight};
+SelectInputs::SelectInputs(const SelectCall& call)
+    : prob(call.scores.to(at::kDouble).contiguous()),
+      parents(call.parents.to(at::kLong).contiguous()),
+      experts(call.node_experts.contiguous()) {
+  if (call.root_experts.has_value()) roots = call.root_experts->contiguous();
+  if (call.layer_weights.has_value()) weights = call.layer_weights->to(at::kDouble).contiguous();
+  placement = Placement{false, nullptr, 0, 0, 1, 0.0};
+  if (call.expert_rank.has_value()) {
+    ranks = call.expert_rank->to(at::kLong).contiguous();
+    placement = Placement{true,
+                          ranks.data_ptr<int64_t>(),
+                          ranks.dim() == 2 ? call.num_experts : 0,
+                          call.num_experts,
+                          call.options.num_ranks,
+                          call.options.total_weight};
+  }
+}
+
+SelectBuffers SelectInputs::buffers(at::Tensor& out) const {
+  return SelectBuffers{
+      prob.data_ptr<double>(),
+      parents.data_ptr<int64_t>(),
+      reinterpret_cast<const uint64_t*>(experts.data_ptr<int64_t>()),
+      roots.defined() ? reinterpret_cast<const uint64_t*>(roots.data_ptr<int64_t>()) : nullptr,
+      weights.defined() ? weights.data_ptr<double>() : nullptr,
+      out.data_ptr<int64_t>()};
 }
 
 int64_t check_topk_to_bitmap_args(const at::Tensor& topk_ids, int64_t num_experts) {

@@ -23,6 +23,7 @@
 #include <string>
 
 #include "ecospec_ops.h"
+#include "selection_call.h"
 #include "selection_core.h"
 
 namespace sgl_ecospec {
@@ -57,20 +58,36 @@ class TensorMatcher {
   const char* device_source_ = nullptr;
 };
 
-// The sizes of select_verify_set's inputs, resolved by the check.
-struct SelectSizes {
-  int64_t batch, num_nodes, layers, words;
+// A checked select_verify_set call: its tensors as given, its sizes and its options.
+struct SelectCall {
+  at::Tensor scores, parents, node_experts;
+  std::optional<at::Tensor> root_experts, layer_weights, expert_rank;
+  SelectShape shape;
   int64_t num_experts;  // E of expert_rank, or -1 without it
-  Policy policy;
+  SelectOptions options;
 };
 
-// Checks select_verify_set's arguments (all of them, see above) and resolves the sizes.
-SelectSizes check_select_verify_set_args(SGL_ECOSPEC_SELECT_VERIFY_SET_PARAMS);
+// Checks select_verify_set's arguments (all of them, see above), once per call.
+SelectCall check_select_verify_set_args(SGL_ECOSPEC_SELECT_VERIFY_SET_PARAMS);
 
-// The EP placement of a checked call: disabled without expert_rank; otherwise expert_rank as
-// int64 contiguous (kept alive in `storage`, on the inputs' device) viewed as [L, E] or [E].
-Placement make_placement(const std::optional<at::Tensor>& expert_rank, const SelectSizes& sizes,
-                         int64_t num_ranks, double total_weight, at::Tensor& storage);
+// The kernel registered for a backend (SGL_ECOSPEC_REGISTER_OPS): the schema's arguments,
+// checked into one SelectCall, handed to the backend's launcher.
+template <at::Tensor (*Launch)(const SelectCall&)>
+at::Tensor select_verify_set_kernel(SGL_ECOSPEC_SELECT_VERIFY_SET_PARAMS) {
+  return Launch(check_select_verify_set_args(SGL_ECOSPEC_SELECT_VERIFY_SET_ARGS));
+}
+
+// A checked call's inputs in the launchers' types (prob float64, parents int64, weights
+// float64, ranks int64; contiguous, on the inputs' device; the optional ones undefined when
+// not given) and its EP placement (disabled without expert_rank; `ranks` viewed as [L, E] or
+// [E]). Converting is an asynchronous copy on CUDA: no values are read (see above).
+struct SelectInputs {
+  at::Tensor prob, parents, experts, roots, weights, ranks;
+  Placement placement;
+  explicit SelectInputs(const SelectCall& call);
+  // The raw pointers, with `out` int64 [B, budget] (selection_call.h).
+  SelectBuffers buffers(at::Tensor& out) const;
+};
 
 // Checks topk_to_bitmap's arguments; returns W = ceil(num_experts / 64).
 int64_t check_topk_to_bitmap_args(const at::Tensor& topk_ids, int64_t num_experts);

@@ -23,9 +23,8 @@ at::Tensor bitmap_popcount_meta(const at::Tensor& bitmaps) {
   return at::empty(shape, bitmaps.options());
 }
 
-at::Tensor select_verify_set_meta(SGL_ECOSPEC_SELECT_VERIFY_SET_PARAMS) {
-  const SelectSizes sizes = check_select_verify_set_args(SGL_ECOSPEC_SELECT_VERIFY_SET_ARGS);
-  return at::empty({sizes.batch, budget}, scores.options().dtype(at::kLong));
+at::Tensor select_verify_set_meta(const SelectCall& call) {
+  return at::empty({call.shape.batch, call.shape.budget}, call.scores.options().dtype(at::kLong));
 }
 
 }  // namespace sgl_ecospec

@@ -4,6 +4,7 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "checks.h"
 #include "ecospec_ops.h"
 
 TORCH_LIBRARY(sgl_ecospec, m) {

@@ -17,6 +17,7 @@
 #include "ecospec_ops.h"
 #include "selection_core.h"
 #include "selection_cuda.cuh"
+#include "selection_launch.h"
 
 namespace sgl_ecospec {
 
@@ -113,63 +114,25 @@ at::Tensor bitmap_popcount_cuda(const at::Tensor& bitmaps) {
   return out;
 }
 
-at::Tensor select_verify_set_cuda(SGL_ECOSPEC_SELECT_VERIFY_SET_PARAMS) {
-  const SelectSizes sizes = check_select_verify_set_args(SGL_ECOSPEC_SELECT_VERIFY_SET_ARGS);
-  const c10::cuda::CUDAGuard guard(scores.device());
-  const int64_t batch = sizes.batch, n = sizes.num_nodes;
-  const int64_t layers = sizes.layers, words = sizes.words;
+at::Tensor select_verify_set_cuda(const SelectCall& call) {
+  const c10::cuda::CUDAGuard guard(call.scores.device());
+  const SelectInputs inputs(call);
+  const SelectShape& shape = call.shape;
+  at::Tensor out = at::empty({shape.batch, shape.budget}, inputs.parents.options());
+  if (shape.batch == 0) return out;
 
-  const at::Tensor prob = scores.to(at::kDouble).contiguous();
-  const at::Tensor par = parents.to(at::kLong).contiguous();
-  const at::Tensor experts = node_experts.contiguous();
-  at::Tensor roots, weights, ranks;
-  if (root_experts.has_value()) roots = root_experts->contiguous();
-  if (layer_weights.has_value()) weights = layer_weights->to(at::kDouble).contiguous();
-  const Placement placement = make_placement(expert_rank, sizes, num_ranks, total_weight, ranks);
-  at::Tensor out = at::empty({batch, budget}, par.options());
-  if (batch == 0) return out;
-
-  const SelectLaunch launch = plan_select(
-      batch, n, layers, words, sizes.policy, share_buffer, placement.enabled,
-      placement.layer_stride == 0 ? 1 : layers, placement.num_experts, placement.num_ranks,
-      select_shared_limit());
-  const WorkspaceLayout& layout = launch.layout;
+  const SelectLaunch launch =
+      plan_select_call(shape, call.options, inputs.placement, select_shared_limit());
   at::Tensor scratch;
-  if (layout.global_bytes > 0) {
-    scratch = at::empty({launch.blocks * layout.global_bytes}, par.options().dtype(at::kByte));
+  if (launch.layout.global_bytes > 0) {
+    scratch = at::empty({launch.blocks * launch.layout.global_bytes},
+                        inputs.parents.options().dtype(at::kByte));
   }
-
-  SelectArgs args{};
-  args.prob = prob.data_ptr<double>();
-  args.parents = par.data_ptr<int64_t>();
-  args.experts = reinterpret_cast<const uint64_t*>(experts.data_ptr<int64_t>());
-  args.roots =
-      roots.defined() ? reinterpret_cast<const uint64_t*>(roots.data_ptr<int64_t>()) : nullptr;
-  args.weights = weights.defined() ? weights.data_ptr<double>() : nullptr;
-  args.rank = placement.enabled ? placement.rank : nullptr;
-  args.scratch = scratch.defined() ? scratch.data_ptr<uint8_t>() : nullptr;
-  args.out = out.data_ptr<int64_t>();
-  args.batch = batch;
-  args.num_nodes = n;
-  args.layers = layers;
-  args.words = words;
-  args.budget = budget;
-  args.requests_per_block = launch.group;
-  args.policy = sizes.policy;
-  args.eps = eps;
-  args.step_tokens = step_tokens;
-  args.step_cost = step_cost;
-  args.min_score = min_score;
-  args.candidate_cost = candidate_cost;
-  args.candidate_decay = candidate_decay;
-  args.ep = placement.enabled;
-  args.rank_layer_stride = placement.layer_stride;
-  args.num_experts = placement.num_experts;
-  args.num_ranks = placement.num_ranks;
-  args.total_weight = placement.total_weight;
-  args.layout = layout;
-  select_kernel<<<static_cast<unsigned>(launch.blocks), kSelectThreads, layout.shared_bytes,
-                  c10::cuda::getCurrentCUDAStream()>>>(args);
+  const SelectArgs args =
+      select_args(inputs.buffers(out), scratch.defined() ? scratch.data_ptr<uint8_t>() : nullptr,
+                  shape, call.options, inputs.placement, launch);
+  select_kernel<<<static_cast<unsigned>(launch.blocks), kSelectThreads,
+                  launch.layout.shared_bytes, c10::cuda::getCurrentCUDAStream()>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }

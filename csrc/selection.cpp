@@ -22,10 +22,7 @@ struct Tree {
   const uint64_t* experts;  // [B, N, L, W]
   const double* weights;    // [L] or nullptr
   int64_t num_nodes, layers, words;
-  Policy policy;
-  double eps;
-  double min_score;  // nodes scoring below it are never taken
-  double candidate_cost, candidate_decay;  // a request's k-th candidate adds cost x decay^k
+  SelectOptions options;
   Placement placement;
 };
 
@@ -56,13 +53,13 @@ Choice pick(const Tree& t, int64_t b, const uint8_t* selected, const Buffer& buf
   const int64_t* parents = t.parents + b * n;
   Choice best{-1, 0.0, 0.0};
   for (int64_t i = 0; i < n; ++i) {
-    if (!can_take(selected, parents, prob, i, n, t.min_score)) continue;
-    const double delta = t.policy == Policy::kConfidence
+    if (!can_take(selected, parents, prob, i, n, t.options.min_score)) continue;
+    const double delta = t.options.policy == Policy::kConfidence
                              ? 0.0
                              : delta_cost(t.experts + (b * n + i) * lw, buffer.experts, t.layers,
                                           t.words, t.weights, t.placement, buffer.loads,
                                           buffer.peaks);
-    const double priority = node_priority(t.policy, prob[i], delta, eps);
+    const double priority = node_priority(t.options.policy, prob[i], delta, eps);
     if (is_better(priority, i, best.priority, best.index)) best = Choice{i, priority, delta};
   }
   return best;
@@ -102,17 +99,17 @@ void seed_buffer(const Tree& t, const Buffer& buffer, const uint64_t* roots) {
 // `price`: the scheduled cost of request b's next candidate (candidate_eps).
 bool take_turn(const Tree& t, int64_t b, uint8_t* selected, const Buffer& buffer,
                Account& account, double& price) {
-  const double eps = candidate_eps(t.eps, price);
+  const double eps = candidate_eps(t.options.eps, price);
   const Choice c = pick(t, b, selected, buffer, eps);
   if (c.index < 0) return false;
-  if (t.policy == Policy::kAdaptive) {
+  if (t.options.policy == Policy::kAdaptive) {
     if (!raises_throughput(c.priority, account.tokens, account.cost)) return false;
     account.tokens += t.prob[b * t.num_nodes + c.index];
     account.cost += c.delta + eps;
   }
-  price = mul_rn(price, t.candidate_decay);
+  price = mul_rn(price, t.options.candidate_decay);
   selected[c.index] = 1;
-  if (t.policy != Policy::kConfidence) {
+  if (t.options.policy != Policy::kConfidence) {
     add_to_buffer(t, buffer, t.experts + (b * t.num_nodes + c.index) * t.layers * t.words);
   }
   return true;
@@ -139,42 +136,25 @@ struct BufferStorage {
 
 }  // namespace
 
-at::Tensor select_verify_set_cpu(SGL_ECOSPEC_SELECT_VERIFY_SET_PARAMS) {
-  // The checks every launcher shares (checks.h). Like the CUDA launcher, this one reads
-  // no values: out-of-range parents and EP ranks are handled by selection_core.h's rules.
-  const SelectSizes sizes = check_select_verify_set_args(SGL_ECOSPEC_SELECT_VERIFY_SET_ARGS);
-  const int64_t batch = sizes.batch, n = sizes.num_nodes;
-  const int64_t layers = sizes.layers, words = sizes.words;
+at::Tensor select_verify_set_cpu(const SelectCall& call) {
+  // Like the CUDA launcher, this one reads no values of the checked call: out-of-range
+  // parents and EP ranks are handled by selection_core.h's rules.
+  const SelectInputs inputs(call);
+  const SelectOptions& options = call.options;
+  const int64_t batch = call.shape.batch, n = call.shape.num_nodes, budget = call.shape.budget;
+  const int64_t layers = call.shape.layers, words = call.shape.words;
   const int64_t lw = layers * words;
+  at::Tensor roots = inputs.roots;
+  if (!roots.defined()) roots = at::zeros({batch, layers, words}, inputs.experts.options());
 
-  const at::Tensor prob = scores.to(at::kDouble).contiguous();
-  const at::Tensor par = parents.to(at::kLong).contiguous();
-  const at::Tensor experts = node_experts.contiguous();
-  at::Tensor weights;
-  if (layer_weights.has_value()) weights = layer_weights->to(at::kDouble).contiguous();
-  at::Tensor roots = at::zeros({batch, layers, words}, experts.options());
-  if (root_experts.has_value()) roots.copy_(*root_experts);
-  at::Tensor ranks;
-  const Placement placement = make_placement(expert_rank, sizes, num_ranks, total_weight, ranks);
-
-  const Tree tree{prob.data_ptr<double>(),
-                  par.data_ptr<int64_t>(),
-                  reinterpret_cast<const uint64_t*>(experts.data_ptr<int64_t>()),
-                  weights.defined() ? weights.data_ptr<double>() : nullptr,
-                  n,
-                  layers,
-                  words,
-                  sizes.policy,
-                  eps,
-                  min_score,
-                  candidate_cost,
-                  candidate_decay,
-                  placement};
-  at::Tensor out = at::empty({batch, budget}, par.options());
-  int64_t* out_ptr = out.data_ptr<int64_t>();
+  at::Tensor out = at::empty({batch, budget}, inputs.parents.options());
+  const SelectBuffers io = inputs.buffers(out);
+  const Tree tree{io.prob, io.parents, io.experts, io.weights, n,
+                  layers,  words,      options,    inputs.placement};
+  int64_t* out_ptr = io.out;
   const uint64_t* root_ptr = reinterpret_cast<const uint64_t*>(roots.data_ptr<int64_t>());
 
-  if (share_buffer) {
+  if (options.share_buffer) {
     // One buffer seeded with every request's root; one account for the whole step.
     std::vector<uint64_t> all_roots(lw, 0);
     for (int64_t b = 0; b < batch; ++b) {
@@ -184,9 +164,9 @@ at::Tensor select_verify_set_cpu(SGL_ECOSPEC_SELECT_VERIFY_SET_PARAMS) {
     const Buffer buffer = storage.view();
     seed_buffer(tree, buffer, all_roots.data());
     const double requests = static_cast<double>(batch);
-    Account account{step_tokens * requests, step_cost * requests};
+    Account account{options.step_tokens * requests, options.step_cost * requests};
     std::vector<uint8_t> selected(batch * n, 0);
-    std::vector<double> prices(batch, candidate_cost);
+    std::vector<double> prices(batch, options.candidate_cost);
     for (int64_t step = 0; step < budget; ++step) {
       for (int64_t b = 0; b < batch; ++b) {
         take_turn(tree, b, selected.data() + b * n, buffer, account, prices[b]);
@@ -203,8 +183,8 @@ at::Tensor select_verify_set_cpu(SGL_ECOSPEC_SELECT_VERIFY_SET_PARAMS) {
     for (int64_t b = begin; b < end; ++b) {
       std::fill(selected.begin(), selected.end(), 0);
       seed_buffer(tree, buffer, root_ptr + b * lw);
-      Account account{step_tokens, step_cost};
-      double price = candidate_cost;
+      Account account{options.step_tokens, options.step_cost};
+      double price = options.candidate_cost;
       // A request that takes nothing this turn never will: its state did not change.
       for (int64_t step = 0; step < budget; ++step) {
         if (!take_turn(tree, b, selected.data(), buffer, account, price)) break;

@@ -18,10 +18,18 @@ from pathlib import Path
 import torch
 
 from sgl_ecospec import has_native, select_verify_set
+from sgl_ecospec.ops.options import SelectionOptions
 from sgl_ecospec.synthetic import random_draft_tree
 
-SHAPES = {"qwen3-235b-a22b": (94, 128, 8), "deepseek-v3": (58, 256, 8)}
-CONFIGS = [("ecospec", False), ("ecospec", True), ("confidence", False)]
+SHAPES = {
+    "qwen3-235b-a22b": dict(layers=94, num_experts=128, top_k=8),
+    "deepseek-v3": dict(layers=58, num_experts=256, top_k=8),
+}
+CONFIGS = [
+    SelectionOptions("ecospec"),
+    SelectionOptions("ecospec", share_buffer=True),
+    SelectionOptions("confidence"),
+]
 
 
 def median_seconds(fn, *, min_repeats: int, min_seconds: float) -> float:
@@ -56,20 +64,20 @@ def main(argv=None) -> int:
         f"{'model':16} {'policy':10} {'shared':6} {'B':>3} {'native_us':>10} "
         f"{'reference_us':>13} {'speedup':>8}"
     )
-    for model, (layers, experts, top_k) in SHAPES.items():
+    for model, shape in SHAPES.items():
         for batch in batches:
-            tree = random_draft_tree(batch, args.nodes, layers, experts, top_k, seed=batch)
-            for policy, shared in CONFIGS:
+            tree = random_draft_tree(batch, args.nodes, *shape.values(), seed=batch)
+            for options in CONFIGS:
+                policy, shared = options.policy, options.share_buffer
 
-                def run(impl, tree=tree, policy=policy, shared=shared):
+                def run(impl, tree=tree, options=options):
                     return select_verify_set(
                         tree.scores,
                         tree.parents,
                         tree.node_experts,
                         args.budget,
                         root_experts=tree.root_experts,
-                        policy=policy,
-                        share_buffer=shared,
+                        options=options,
                         validate=False,
                         impl=impl,
                     )
@@ -88,20 +96,9 @@ def main(argv=None) -> int:
                 reference = median_seconds(
                     lambda run=run: run("reference"), min_repeats=repeats[0], min_seconds=repeats[1]
                 )
-                row = dict(
-                    model=model,
-                    layers=layers,
-                    num_experts=experts,
-                    top_k=top_k,
-                    policy=policy,
-                    share_buffer=shared,
-                    batch=batch,
-                    nodes=args.nodes,
-                    budget=args.budget,
-                    native_us=native * 1e6,
-                    reference_us=reference * 1e6,
-                    speedup=reference / native,
-                )
+                row = dict(model=model, **shape, policy=policy, share_buffer=shared, batch=batch)
+                row.update(nodes=args.nodes, budget=args.budget, native_us=native * 1e6)
+                row.update(reference_us=reference * 1e6, speedup=reference / native)
                 rows.append(row)
                 print(
                     f"{model:16} {policy:10} {str(shared):6} {batch:>3} {row['native_us']:>10.1f} "

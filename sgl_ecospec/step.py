@@ -238,11 +238,7 @@ def batch_index(index: torch.Tensor) -> torch.Tensor:
 def _select(scores, parents, bitmaps, budget, options, placement, layer_weights=None):
     ep = {}
     if placement is not None:
-        ep = {
-            "expert_rank": placement.expert_rank,
-            "num_ranks": placement.num_ranks,
-            "total_weight": options.total_weight,
-        }
+        ep = {"expert_rank": placement.expert_rank, "num_ranks": placement.num_ranks}
     return select_verify_set(
         scores,
         parents,
@@ -250,7 +246,7 @@ def _select(scores, parents, bitmaps, budget, options, placement, layer_weights=
         budget,
         root_experts=bitmaps[:, 0],
         layer_weights=layer_weights,
+        options=options,
         validate=False,
-        **options.op_keywords(),
         **ep,
     )

@@ -1,5 +1,6 @@
 """The CUDA selection kernel's source on the CPU (test/ops/cuda_emulator.h): builds the
-emulation library (once per test module) and calls it as the CUDA launcher calls the kernel."""
+emulation library (once per test module) and calls it with the arguments the CUDA launcher
+has after its checks (csrc/selection_call.h's structs, mirrored here for ctypes)."""
 
 import ctypes
 import shutil
@@ -8,10 +9,27 @@ from pathlib import Path
 
 import torch
 
-from sgl_ecospec.ops.selection import POLICIES
+from sgl_ecospec.ops.options import POLICIES, SelectionOptions
+from sgl_ecospec.ops.selection_reference import resolve_ranks
 
 OPS = Path(__file__).parent / "ops"  # the emulation's C++ sources
 CSRC = Path(__file__).parents[1] / "csrc"
+_P, _I64, _F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+
+
+class _Buffers(ctypes.Structure):  # SelectBuffers
+    _fields_ = [(n, _P) for n in ("prob", "parents", "experts", "roots", "weights", "out")]
+
+
+class _Shape(ctypes.Structure):  # SelectShape
+    _fields_ = [(n, _I64) for n in ("batch", "num_nodes", "layers", "words", "budget")]
+
+
+class _Options(ctypes.Structure):  # SelectOptions
+    _fields_ = [("policy", ctypes.c_int), ("eps", _F64), ("share_buffer", ctypes.c_bool)]
+    _fields_ += [("num_ranks", _I64)]
+    _fields_ += [(n, _F64) for n in ("total_weight", "step_tokens", "step_cost")]
+    _fields_ += [(n, _F64) for n in ("candidate_cost", "candidate_decay", "min_score")]
 
 
 def build(folder: Path) -> ctypes.CDLL | None:
@@ -25,10 +43,8 @@ def build(folder: Path) -> ctypes.CDLL | None:
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
     lib = ctypes.CDLL(str(library))
-    p, i64, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
-    lib.emu_select.restype = i64
-    lib.emu_select.argtypes = [p] * 6 + [i64, p] + [i64] * 5 + [ctypes.c_int, f64, ctypes.c_bool]
-    lib.emu_select.argtypes += [i64, i64, f64, f64, f64, f64, f64, f64, i64]
+    lib.emu_select.restype = _I64
+    lib.emu_select.argtypes = [_P] * 4 + [_I64] * 3
     lib.emu_error.restype = ctypes.c_char_p
     return lib
 
@@ -45,62 +61,47 @@ def select_emulated(
     budget,
     *,
     root_experts=None,
-    policy="ecospec",
-    eps=0.1,
-    share_buffer=False,
     layer_weights=None,
     expert_rank=None,
     num_ranks=None,
-    total_weight=None,
-    step_tokens=1.0,
-    step_cost=1.0,
-    candidate_cost=0.0,
-    candidate_decay=1.0,
-    min_score=0.0,
+    options: SelectionOptions | None = None,
     shared_limit=1 << 30,
+    **option_keywords,
 ) -> tuple[torch.Tensor, int]:
-    """``select_verify_set``'s CUDA kernel on the CPU (arguments as the op, converted as its
+    """``select_verify_set``'s CUDA kernel on the CPU (arguments as the op's, converted as its
     launcher converts them), with ``shared_limit`` bytes of shared memory. Returns the
     selection and where the workspace went (bit 0: shared memory, bit 1: global memory)."""
-    batch, nodes, layers, words = node_experts.shape
-    prob = scores.double().contiguous()
-    par = parents.long().contiguous()
-    experts = node_experts.contiguous()
-    roots = None if root_experts is None else root_experts.contiguous()
-    weights = None if layer_weights is None else layer_weights.double().contiguous()
-    rank, rank_rows, num_experts = None, 1, 0
-    if expert_rank is not None:
-        rank = expert_rank.long().contiguous()
-        rank_rows, num_experts = (layers if rank.dim() == 2 else 1), rank.shape[-1]
-        num_ranks = num_ranks or int(rank.max()) + 1
-        total_weight = 1.0 / num_ranks if total_weight is None else total_weight
-    out = torch.full((batch, budget), -7, dtype=torch.int64)
+    options = SelectionOptions.of(options, option_keywords)
+    num_ranks, total_weight = resolve_ranks(expert_rank, num_ranks, options.total_weight)
+    tensors = dict(
+        prob=scores.double().contiguous(),
+        parents=parents.long().contiguous(),
+        experts=node_experts.contiguous(),
+        roots=None if root_experts is None else root_experts.contiguous(),
+        weights=None if layer_weights is None else layer_weights.double().contiguous(),
+        out=torch.full((scores.shape[0], budget), -7, dtype=torch.int64),
+    )
+    rank = None if expert_rank is None else expert_rank.long().contiguous()
+    scalars = _Options(
+        POLICIES.index(options.policy),
+        options.eps,
+        options.share_buffer,
+        num_ranks,
+        total_weight,
+        options.step_tokens,
+        options.step_cost or 0.0,  # as the C++ check leaves it where unused
+        options.candidate_cost,
+        options.candidate_decay,
+        options.min_score,
+    )
     where = lib.emu_select(
-        _ptr(prob),
-        _ptr(par),
-        _ptr(experts),
-        _ptr(roots),
-        _ptr(weights),
+        ctypes.byref(_Buffers(**{k: _ptr(t) for k, t in tensors.items()})),
+        ctypes.byref(_Shape(*node_experts.shape[:4], budget)),
+        ctypes.byref(scalars),
         _ptr(rank),
-        rank_rows,
-        _ptr(out),
-        batch,
-        nodes,
-        layers,
-        words,
-        budget,
-        POLICIES.index(policy),
-        eps,
-        share_buffer,
-        num_experts,
-        num_ranks or 1,
-        total_weight or 0.0,
-        step_tokens,
-        step_cost,
-        candidate_cost,
-        candidate_decay,
-        min_score,
+        1 if rank is None or rank.dim() == 1 else rank.shape[0],
+        0 if rank is None else rank.shape[-1],
         shared_limit,
     )
     assert where >= 0, lib.emu_error().decode()
-    return out, where
+    return tensors["out"], where

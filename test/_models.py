@@ -1,6 +1,8 @@
 """Tiny models shared by the tests: a random Qwen2-MoE target (the testbed's
 architecture), an EAGLE-3 draft fitted to it in seconds, and a byte-level chat tokenizer."""
 
+import json
+
 import torch
 import torch.nn.functional as F
 
@@ -110,6 +112,40 @@ def tiny_engine(root, prompts, new_tokens):
     sequences = [p + o for p, o in zip(prompts, greedy.outputs, strict=True)]
     train_draft(target, sequences).save_pretrained(root / "draft")
     return OfflineEngine(str(root / "target"), str(root / "draft"))
+
+
+def tiny_chat_models(root, texts, draft_steps):
+    """Saves under ``root`` a tiny random target with a byte-level chat tokenizer
+    (``target/``), the chat prompts ``texts`` (``prompts.jsonl``, the benchmark's prompt file)
+    and an EAGLE-3 draft trained ``draft_steps`` steps on the target's greedy continuations
+    (12 tokens) of them (``draft/``). Returns the target and the draft's training sequences,
+    for more drafts."""
+    from sgl_ecospec.lab.datasets import load_prompts, render_chat
+    from sgl_ecospec.lab.engine import OfflineEngine
+
+    target = tiny_target()
+    target.save_pretrained(root / "target")
+    byte_tokenizer().save_pretrained(root / "target")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    engine = OfflineEngine(str(root / "target"), None)
+    ids = [render_chat(engine.tokenizer, p.text) for p in load_prompts(str(prompts))]
+    continuations = engine.generate_greedy(ids, 12).outputs
+    sequences = [p + o for p, o in zip(ids, continuations, strict=True)]
+    train_draft(target, sequences, draft_steps).save_pretrained(root / "draft")
+    return target, sequences
+
+
+def tiny_engine_fixture(name, prompts, new_tokens):
+    """A module-scoped pytest fixture ``engine``: :func:`tiny_engine` built once in a
+    temporary folder ``name``, run on one intra-op thread (conftest's ``one_thread``)."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def engine(tmp_path_factory, one_thread):
+        return tiny_engine(tmp_path_factory.mktemp(name), prompts, new_tokens)
+
+    return engine
 
 
 def byte_tokenizer():

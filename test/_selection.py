@@ -5,6 +5,8 @@ import torch
 
 from sgl_ecospec import topk_to_bitmap
 from sgl_ecospec.ops.bitmaps import bitmap_to_ids
+from sgl_ecospec.ops.options import SelectionOptions
+from sgl_ecospec.ops.selection_reference import resolve_ranks
 from sgl_ecospec.synthetic import random_draft_tree
 
 
@@ -28,22 +30,23 @@ def python_greedy(
     parents,
     node_experts,
     budget,
-    root_experts,
-    policy,
-    eps,
-    share_buffer,
-    weights,
     num_experts,
+    *,
+    root_experts=None,
+    layer_weights=None,
     expert_rank=None,
-    num_ranks=1,
-    total_weight=0.0,
-    step_tokens=1.0,
-    step_cost=1.0,
-    candidate_cost=0.0,
-    candidate_decay=1.0,
-    min_score=0.0,
+    num_ranks=None,
+    options=None,
+    **option_keywords,
 ):
-    """The selection rule written with Python sets: an independent check of the reference."""
+    """The selection rule written with Python sets: an independent check of the reference
+    (arguments as ``select_verify_set``'s, with E = ``num_experts``)."""
+    options = SelectionOptions.of(options, option_keywords)
+    num_ranks, total_weight = resolve_ranks(expert_rank, num_ranks, options.total_weight)
+    policy, eps, share_buffer = options.policy, options.eps, options.share_buffer
+    weights, min_score = layer_weights, options.min_score
+    candidate_cost, candidate_decay = options.candidate_cost, options.candidate_decay
+    step_tokens, step_cost = options.step_tokens, options.step_cost or 0.0  # "adaptive" only
     batch, num_nodes = scores.shape
     layers = node_experts.shape[2]
     sets = [

@@ -33,6 +33,7 @@ from sgl_ecospec.costmodel import (
     selection_cost,
 )
 from sgl_ecospec.costmodel.calibration import CalibrationProfile
+from sgl_ecospec.ops.options import SelectionOptions
 from sglang_ecospec.settings import is_calibration_file
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,42 @@ class EpsTable:
 
     def _index(self, batch: int) -> int:
         return max(bisect.bisect_right(self.batches, batch) - 1, 0)
+
+
+class BatchOptions:
+    """The selection options of each batch size: the settings' fixed fields
+    (``EcoSpecSettings.selection_fields``) and, with eps "auto", the batch's bucket of the
+    cost model (``table``): its eps and, for "adaptive", its step cost and candidate costs.
+    One checked :class:`SelectionOptions` per bucket, built on first use, so a decode step
+    neither rebuilds nor re-checks its options.
+    """
+
+    def __init__(self, fields: dict, table: EpsTable | None):
+        if ("eps" in fields) == (table is not None):
+            raise ValueError("eps comes from the settings or from the eps table, never both")
+        self.fields = fields
+        self.table = table
+        self._by_bucket: dict[int, SelectionOptions] = {}
+
+    def __call__(self, batch: int) -> SelectionOptions:
+        """The options for a batch of ``batch`` requests."""
+        bucket = 0 if self.table is None else self.table._index(batch)
+        options = self._by_bucket.get(bucket)
+        if options is None:
+            options = SelectionOptions(**self.fields, **self._bucket_fields(batch))
+            self._by_bucket[bucket] = options
+        return options
+
+    def _bucket_fields(self, batch: int) -> dict:
+        if self.table is None:
+            return {}
+        fields = {"eps": self.table.lookup(batch)}
+        if self.fields["policy"] == "adaptive":
+            cost, decay = self.table.candidate_cost(batch)
+            fields.update(
+                step_cost=self.table.step_cost(batch), candidate_cost=cost, candidate_decay=decay
+            )
+        return fields
 
 
 def bucket_sizes(max_batch: int) -> list[int]:

@@ -73,17 +73,15 @@ Shape legend: B = requests, N = candidates per request, K = draft top-k, S = dra
 L = MoE layers, W = int64 words per layer bitmap, D = num draft tokens (ndt).
 """
 
-import dataclasses
 import logging
 
 import torch
 
-from sgl_ecospec.ops.selection import SelectionOptions
 from sgl_ecospec.predictors import ExpertPredictor, LiveRecall
 from sgl_ecospec.step import batch_index, fill_unused_slots, select_step, verify_rows
 from sglang_ecospec.acceptance import AcceptanceTracker
 from sglang_ecospec.ep_placement import ExpertPlacement
-from sglang_ecospec.eps_table import EpsTable
+from sglang_ecospec.eps_table import BatchOptions, EpsTable
 from sglang_ecospec.fixed_width import copy_rows
 from sglang_ecospec.hooks import HookSlot
 from sglang_ecospec.memory import ModelShape, score_chunk_rows
@@ -222,10 +220,10 @@ class EcoSpecSelector:
         self.placement = placement
         self.tp_sync = tp_sync
         self.acceptance = acceptance
-        self.options = settings.selection_options()
-        # One checked copy per eps (the cost model's table has a few buckets), so a decode
-        # step does not rebuild and re-check its options.
-        self._options_by_eps: dict[float, SelectionOptions] = {}
+        self.options_for = BatchOptions(settings.selection_fields(), eps_table)
+        # The options of a batch of one: what every batch size shares (policy, floor, EP
+        # weight) is read from them.
+        self.options = self.options_for(1)
         self.eps_table = eps_table
         # Predicted experts of the last selection's verify rows, in SGLang's verify order
         # (per request: the root, then the chosen candidates); int16 holds any expert id.
@@ -264,32 +262,6 @@ class EcoSpecSelector:
     @property
     def max_batch(self) -> int:
         return self.root_tokens.shape[0]
-
-    def eps_for(self, batch: int) -> float:
-        """eps for a batch of ``batch`` requests (the setting, or its cost-model bucket)."""
-        if self.eps_table is not None:
-            return self.eps_table.lookup(batch)
-        return float(self.settings.eps)
-
-    def options_for(self, batch: int) -> SelectionOptions:
-        """The selection options for a batch of ``batch`` requests (its eps, :meth:`eps_for`,
-        and for "adaptive" its step cost and candidate costs)."""
-        eps = self.eps_for(batch)
-        step_cost = schedule = None
-        if self.options.policy == "adaptive":
-            step_cost = self.eps_table.step_cost(batch)
-            schedule = self.eps_table.candidate_cost(batch)
-        key = (eps, step_cost, schedule)
-        options = self._options_by_eps.get(key)
-        if options is None:
-            options = self.options.with_eps(eps)
-            if step_cost is not None:
-                cost, decay = schedule
-                options = dataclasses.replace(
-                    options, step_cost=step_cost, candidate_cost=cost, candidate_decay=decay
-                )
-            self._options_by_eps[key] = options
-        return options
 
     def set_roots(
         self, bonus_tokens: torch.Tensor | None, root_context: torch.Tensor | None = None

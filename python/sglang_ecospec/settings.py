@@ -24,7 +24,7 @@ from typing import Any
 from sgl_ecospec.costmodel.calibration import CalibrationFileError, CalibrationProfile
 from sgl_ecospec.costmodel.profiles import HARDWARE, MODELS, get_hardware, get_model
 from sgl_ecospec.gate import GateOptions
-from sgl_ecospec.ops.selection import ADAPTIVE_EP_TOTAL_WEIGHT, DEFAULT_EPS, SelectionOptions
+from sgl_ecospec.ops.options import ADAPTIVE_EP_TOTAL_WEIGHT, DEFAULT_EPS, SelectionOptions
 from sgl_ecospec.predictors.catalog import ONLINE_PREDICTORS
 
 ENV_PREFIX = "SGLANG_ECOSPEC_"
@@ -150,7 +150,7 @@ class EcoSpecSettings:
     """
 
     policy: str = "ecospec"
-    eps: float | str = 0.1
+    eps: float | str = DEFAULT_EPS
     profile: str | None = None
     hardware: str | None = None
     calibrate: bool = False
@@ -174,11 +174,12 @@ class EcoSpecSettings:
     verify_moe_kernel: bool = False
     calibrated_acceptance: bool = True
     gate: bool = True
-    gate_probe_interval: int = 128
-    gate_max_probe_interval: int = 2048
-    gate_probe_steps: int = 3
-    gate_min_samples: int = 4
-    gate_probe_budget: float = 0.01
+    # The gate's defaults are GateOptions' own.
+    gate_probe_interval: int = GateOptions.probe_interval
+    gate_max_probe_interval: int = GateOptions.max_probe_interval
+    gate_probe_steps: int = GateOptions.probe_steps
+    gate_min_samples: int = GateOptions.min_samples
+    gate_probe_budget: float = GateOptions.probe_budget
 
     def __post_init__(self):
         if self.policy == "adaptive" and self.eps != AUTO:
@@ -191,8 +192,14 @@ class EcoSpecSettings:
             raise EcoSpecSettingsError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         self._check_calibrate()
         self._check_eps()
+        # The fields the cost model does not set are checked now; with eps "auto" the rest
+        # (eps, "adaptive"'s step cost) come per batch size (eps_table.BatchOptions),
+        # and policy is checked above.
+        fields = self.selection_fields()
+        if self.eps_auto:
+            fields.pop("policy")
         try:
-            self.selection_options()
+            SelectionOptions(**fields)
         except (TypeError, ValueError) as exc:
             hint = f" (eps may also be {AUTO!r})" if str(exc).startswith("eps") else ""
             raise EcoSpecSettingsError(f"{exc}{hint}") from None
@@ -240,24 +247,23 @@ class EcoSpecSettings:
             probe_budget=self.gate_probe_budget,
         )
 
-    def selection_options(self) -> SelectionOptions:
-        """The library's checked selection options. With eps "auto" their eps is a
-        placeholder: the selector sets the cost model's per batch size."""
-        eps = DEFAULT_EPS if self.eps_auto else self.eps
-        # "adaptive" reads the step cost, a placeholder here like eps: the selector sets the
-        # cost model's per batch size.
-        step_cost = 1.0 if self.policy == "adaptive" else None
+    def selection_fields(self) -> dict:
+        """The selection options these settings fix, as ``SelectionOptions`` fields: all but
+        the cost model's with eps "auto" (eps, and for "adaptive" the step and candidate
+        costs), which :class:`sglang_ecospec.eps_table.BatchOptions` adds per
+        batch-size bucket."""
         total_weight = self.total_weight
         if total_weight is None and self.policy == "adaptive":
             total_weight = ADAPTIVE_EP_TOTAL_WEIGHT
-        return SelectionOptions(
-            self.policy,
-            eps,
-            self.share_buffer,
-            total_weight,
-            step_cost=step_cost,
+        fields = dict(
+            policy=self.policy,
+            share_buffer=self.share_buffer,
+            total_weight=total_weight,
             min_score=self.min_score,
         )
+        if not self.eps_auto:
+            fields["eps"] = self.eps
+        return fields
 
     @property
     def eps_auto(self) -> bool:

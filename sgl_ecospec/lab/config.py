@@ -18,7 +18,7 @@ from sgl_ecospec.costmodel.profiles import HARDWARE, MODELS, get_hardware, get_m
 from sgl_ecospec.lab.command_line import parse_positive_ints
 from sgl_ecospec.lab.testbed import build as testbed_build
 from sgl_ecospec.lab.testbed.recipe import RECIPES, build_dir
-from sgl_ecospec.ops.selection import DEFAULT_EPS, POLICIES, SelectionOptions
+from sgl_ecospec.ops.options import POLICIES, SelectionOptions
 from sgl_ecospec.predictors.catalog import ONLINE_PREDICTORS
 
 # The peers of ../shared/docs/PEERS.md as benchmark policies (docs/bench.md, "Peers"):
@@ -146,7 +146,7 @@ class BenchConfig(_Config):
     policies: tuple[str, ...] = ("confidence", "ecospec")
     predictor: str = "online"
     predictor_file: str | None = None
-    eps: float = DEFAULT_EPS
+    eps: float = SelectionOptions.eps
     share_buffer: bool = True
     calibrated_acceptance: bool = False
     recall_weighted_cost: bool = False

@@ -13,8 +13,19 @@ import math
 import torch
 
 from sgl_ecospec.ops.bitmaps import WORD_BITS, bitmap_popcount_reference
+from sgl_ecospec.ops.options import SelectionOptions
 
-DEFAULT_EPS = 0.1
+
+def resolve_ranks(
+    expert_rank: torch.Tensor | None, num_ranks: int | None, total_weight: float | None
+) -> tuple[int, float]:
+    """(R, total weight) of an EP placement with their defaults filled in: R =
+    ``expert_rank.max() + 1`` (a host sync on GPU) and 1 / R; (1, 0.0) without a placement."""
+    if expert_rank is None:
+        return 1, 0.0
+    if num_ranks is None:
+        num_ranks = max(int(expert_rank.max()) + 1 if expert_rank.numel() else 1, 1)
+    return num_ranks, 1.0 / num_ranks if total_weight is None else float(total_weight)
 
 
 def select_verify_set_reference(
@@ -24,39 +35,32 @@ def select_verify_set_reference(
     budget: int,
     *,
     root_experts: torch.Tensor | None = None,
-    policy: str = "ecospec",
-    eps: float = DEFAULT_EPS,
-    share_buffer: bool = False,
     layer_weights: torch.Tensor | None = None,
     expert_rank: torch.Tensor | None = None,
     num_ranks: int | None = None,
-    total_weight: float | None = None,
-    step_tokens: float = 1.0,
-    step_cost: float = 1.0,
-    candidate_cost: float = 0.0,
-    candidate_decay: float = 1.0,
-    min_score: float = 0.0,
+    options: SelectionOptions | None = None,
+    **option_keywords,
 ) -> torch.Tensor:
-    """Plain PyTorch version of :func:`select_verify_set` (same arguments, no validation;
-    ``num_ranks`` and ``total_weight`` default as there).
+    """Plain PyTorch version of :func:`select_verify_set` (same arguments, ``options=`` or
+    the option keywords; no checks of the tensors; ``num_ranks`` and ``total_weight``
+    default as there).
 
     Vectorised over requests; one loop iteration per selected node (and per request in
     turn with ``share_buffer``). With ``expert_rank`` the rank loads are recounted from the
     buffer at every step rather than kept up to date, as the native ops do.
     """
+    options = SelectionOptions.of(options, option_keywords)
+    policy, eps, share_buffer = options.policy, options.eps, options.share_buffer
     batch, num_nodes = scores.shape
     device = scores.device
     prob = scores.double()
-    eligible = prob >= min_score  # [B, N]: the floor, fixed for the whole selection
+    eligible = prob >= options.min_score  # [B, N]: the floor, fixed for the whole selection
     parents = parents.long()
     weights = None if layer_weights is None else layer_weights.double()
     placement = None
     if expert_rank is not None:
         layers, num_experts = node_experts.shape[2], expert_rank.shape[-1]
-        if num_ranks is None:
-            num_ranks = max(int(expert_rank.max()) + 1 if expert_rank.numel() else 1, 1)
-        if total_weight is None:
-            total_weight = 1.0 / num_ranks
+        num_ranks, total_weight = resolve_ranks(expert_rank, num_ranks, options.total_weight)
         placement = (expert_rank.long().expand(layers, num_experts), num_ranks, total_weight)
     buffer = (
         torch.zeros((batch, *node_experts.shape[2:]), dtype=torch.int64, device=device)
@@ -70,12 +74,17 @@ def select_verify_set_reference(
     # per request, or one for the batch with share_buffer.
     accounts = 1 if share_buffer else batch
     requests = batch if share_buffer else 1
-    tokens = torch.full((accounts,), step_tokens * requests, dtype=torch.float64, device=device)
-    cost = torch.full((accounts,), step_cost * requests, dtype=torch.float64, device=device)
+    if policy == "adaptive":
+        tokens = torch.full(
+            (accounts,), options.step_tokens * requests, dtype=torch.float64, device=device
+        )
+        cost = torch.full(
+            (accounts,), options.step_cost * requests, dtype=torch.float64, device=device
+        )
     # Each request's next candidate's scheduled cost, times candidate_decay after each take
     # (the same multiplications as the native ops'); eps + price is what it costs beyond
     # DeltaCost.
-    price = torch.full((batch, 1), float(candidate_cost), dtype=torch.float64, device=device)
+    price = torch.full((batch, 1), options.candidate_cost, dtype=torch.float64, device=device)
 
     def pick(rows: slice) -> None:
         # rows: every request at once, or one in turn with share_buffer. Masks and where
@@ -99,7 +108,7 @@ def select_verify_set_reference(
             tokens[account] += torch.where(take, prob[rows].gather(1, best), 0.0)[:, 0]
             cost[account] += torch.where(take, delta.gather(1, best) + cost_beyond, 0.0)[:, 0]
         sel.scatter_(1, best, sel.gather(1, best) | take)
-        price[rows] = torch.where(take, price[rows] * candidate_decay, price[rows])
+        price[rows] = torch.where(take, price[rows] * options.candidate_decay, price[rows])
         if policy != "confidence":
             chosen = node_experts[rows]  # [B', N, L, W]
             index = best[:, :, None, None].expand(-1, 1, *chosen.shape[2:])

@@ -94,6 +94,11 @@ class ExpertPredictor(abc.ABC):
         if top_k > num_experts:
             raise ValueError(f"top_k must be <= num_experts={num_experts}, got {top_k}")
 
+    def _shape_config(self) -> dict:
+        """The constructor arguments every predictor takes (L, E, K), for the ``config`` of
+        the predictors that save their state."""
+        return {"num_layers": self.num_layers, "num_experts": self.num_experts, "top_k": self.top_k}
+
     @abc.abstractmethod
     def predict_topk(
         self,

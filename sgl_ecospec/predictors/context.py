@@ -138,9 +138,7 @@ class ContextExpertPredictor(SavedTables, ExpertPredictor):
     def config(self) -> dict:
         """The constructor arguments that fix the table layout and learning rule."""
         return {
-            "num_layers": self.num_layers,
-            "num_experts": self.num_experts,
-            "top_k": self.top_k,
+            **self._shape_config(),
             "vocab_size": self.vocab_size,
             "token_buckets": self.token_buckets,
             "pair_buckets": self.pair_buckets,

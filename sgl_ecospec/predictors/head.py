@@ -78,9 +78,7 @@ class LowRankExpertHead(torch.nn.Module, CheckedExpertPredictor):
         """The constructor arguments that fix the parameter shapes."""
         return {
             "hidden_size": self.hidden_size,
-            "num_layers": self.num_layers,
-            "num_experts": self.num_experts,
-            "top_k": self.top_k,
+            **self._shape_config(),
             "rank": self.rank,
             "token_buckets": self.token_buckets,
         }

@@ -4,8 +4,6 @@ per-layer trust that verify-set selection derives from it.
 Shape legend: T = verified rows, L = MoE layers, K = experts per token, E = experts per layer.
 """
 
-import dataclasses
-
 import torch
 
 from sgl_ecospec.ops.bitmaps import bitmap_popcount, topk_to_bitmap
@@ -290,12 +288,10 @@ class LiveRecall:
             if not host_eps:
                 return options, weights
             share = 1.0 - float(self.trusted_share(base))
-            return dataclasses.replace(
-                options, candidate_cost=options.candidate_cost * share
-            ), weights
+            return options.replace(candidate_cost=options.candidate_cost * share), weights
         unpredicted = self.unpredicted_cost(base)
         if host_eps:
-            return options.with_eps(options.eps + float(unpredicted)), weights
+            return options.replace(eps=options.eps + float(unpredicted)), weights
         return options, weights * (options.eps / (options.eps + unpredicted))
 
     def recall(self) -> float | None:

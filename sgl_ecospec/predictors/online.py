@@ -109,9 +109,7 @@ class OnlineExpertPredictor(SavedTables, CheckedExpertPredictor):
     def config(self) -> dict:
         """The constructor arguments that fix the table layout and learning rule."""
         return {
-            "num_layers": self.num_layers,
-            "num_experts": self.num_experts,
-            "top_k": self.top_k,
+            **self._shape_config(),
             "num_buckets": self.num_buckets,
             "prior_weight": self.prior_weight,
             "halve_every": self.halve_every,

@@ -3,8 +3,7 @@
 tokens recorded (raw and calibrated), one calibrator learning across calls."""
 
 import pytest
-import torch
-from _models import random_prompts, tiny_engine
+from _models import random_prompts, tiny_engine_fixture
 
 from sgl_ecospec.acceptance import AcceptanceCalibrator
 from sgl_ecospec.lab.bench import metrics
@@ -16,12 +15,7 @@ MAX_NEW = 24
 PROMPTS = random_prompts(3, seed=1)
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: intra-op threads only spin on a busy machine
-    yield tiny_engine(tmp_path_factory.mktemp("calibration"), PROMPTS, MAX_NEW + 8)
-    torch.set_num_threads(threads)
+engine = tiny_engine_fixture("calibration", PROMPTS, MAX_NEW + 8)
 
 
 @pytest.fixture(scope="module")

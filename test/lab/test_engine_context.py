@@ -3,7 +3,7 @@ parent token handed over correctly, the live recall measured (tiny models, as te
 
 import pytest
 import torch
-from _models import EXPERTS, LAYERS, TOP_K, VOCAB, random_prompts, tiny_engine
+from _models import EXPERTS, LAYERS, TOP_K, VOCAB, random_prompts, tiny_engine_fixture
 
 from sgl_ecospec.lab.bench.predictor_replay import StepRecorder, memory_bytes, replay
 from sgl_ecospec.lab.engine import SpecConfig
@@ -19,12 +19,7 @@ MAX_NEW = 24
 PROMPTS = random_prompts(3, seed=1)
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield tiny_engine(tmp_path_factory.mktemp("engine_context"), PROMPTS, MAX_NEW + 8)
-    torch.set_num_threads(threads)
+engine = tiny_engine_fixture("engine_context", PROMPTS, MAX_NEW + 8)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from _models import EXPERTS, LAYERS, TOP_K, random_prompts, tiny_engine
+from _models import EXPERTS, LAYERS, TOP_K, random_prompts, tiny_engine_fixture
 
 from sgl_ecospec.costmodel import get_model
 from sgl_ecospec.costmodel.scaling import scale_unique_experts
@@ -107,12 +107,7 @@ PROMPTS = random_prompts(3, seed=5)
 MAX_NEW = 16
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield tiny_engine(tmp_path_factory.mktemp("engine_exchange"), PROMPTS, MAX_NEW + 8)
-    torch.set_num_threads(threads)
+engine = tiny_engine_fixture("engine_exchange", PROMPTS, MAX_NEW + 8)
 
 
 def test_the_engine_scales_its_layer_weights_by_the_measured_rate(engine):

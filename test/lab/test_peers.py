@@ -292,23 +292,11 @@ def test_pareto_extra_runs():
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     """A tiny random Qwen2-MoE target (byte tokenizer) and an EAGLE-3 draft fitted to its
-    greedy continuations of the prompts, as test_bench.py builds them."""
-    from _models import byte_tokenizer, tiny_target, train_draft
-
-    from sgl_ecospec.lab.datasets import load_prompts, render_chat
-    from sgl_ecospec.lab.engine import OfflineEngine
+    greedy continuations of the prompts (``_models.tiny_chat_models``)."""
+    from _models import tiny_chat_models
 
     root = tmp_path_factory.mktemp("peers")
-    target = tiny_target()
-    target.save_pretrained(root / "target")
-    byte_tokenizer().save_pretrained(root / "target")
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["Hi!", "2+2?", "Yes."]))
-    engine = OfflineEngine(str(root / "target"), None)
-    ids = [render_chat(engine.tokenizer, p.text) for p in load_prompts(str(prompts))]
-    continuations = engine.generate_greedy(ids, 12).outputs
-    draft = train_draft(target, [p + o for p, o in zip(ids, continuations, strict=True)], 25)
-    draft.save_pretrained(root / "draft")
+    tiny_chat_models(root, ["Hi!", "2+2?", "Yes."], 25)
     return root
 
 

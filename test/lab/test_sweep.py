@@ -242,24 +242,13 @@ def tiny_models(tmp_path_factory):
     """A tiny Qwen2-MoE target (byte tokenizer, 16 experts top-4), an EAGLE-3 draft fitted to
     its greedy continuations of the prompts (accepted often), and an unfitted one (almost
     never accepted)."""
-    from _models import byte_tokenizer, tiny_target, train_draft
-
-    from sgl_ecospec.lab.datasets import load_prompts, render_chat
-    from sgl_ecospec.lab.engine import OfflineEngine
+    from _models import tiny_chat_models, train_draft
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("sweep")
-    target = tiny_target()
-    target.save_pretrained(root / "target")
-    byte_tokenizer().save_pretrained(root / "target")
     texts = [f"Question {i}: what is {i} + {3 * i}?" for i in range(6)]
-    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
-    engine = OfflineEngine(str(root / "target"), None)
-    ids = [render_chat(engine.tokenizer, p.text) for p in load_prompts(str(root / "prompts.jsonl"))]
-    continuations = engine.generate_greedy(ids, 12).outputs
-    sequences = [p + o for p, o in zip(ids, continuations, strict=True)]
-    train_draft(target, sequences, 40).save_pretrained(root / "draft")
+    target, sequences = tiny_chat_models(root, texts, 40)
     train_draft(target, sequences, 0).save_pretrained(root / "random_draft")
     yield root
     torch.set_num_threads(threads)

@@ -57,6 +57,27 @@ def options(policy: str, share_buffer: bool) -> SelectionOptions:
     )
 
 
+def selector(impl: str, options: SelectionOptions, ep_arguments: dict, **extra):
+    """``select_verify_set`` on a tree's tensors (scores, parents, node_experts,
+    root_experts), as one function to compile."""
+
+    def select(scores, parents, node_experts, root_experts):
+        return select_verify_set(
+            scores,
+            parents,
+            node_experts,
+            BUDGET,
+            root_experts=root_experts,
+            options=options,
+            validate=False,
+            impl=impl,
+            **ep_arguments,
+            **extra,
+        )
+
+    return select
+
+
 # --- the ops ---------------------------------------------------------------------------------
 
 
@@ -89,20 +110,7 @@ def test_select_verify_set_compiles_as_one_graph(impl, policy, share_buffer, ep)
     t = tree()
     weights = torch.tensor([1.0, 0.5])
     placement = ep_keywords(ep, per_layer=policy != "ecospec")
-    keywords = dict(options(policy, share_buffer).op_keywords(), **placement)
-
-    def select(scores, parents, node_experts, root_experts):
-        return select_verify_set(
-            scores,
-            parents,
-            node_experts,
-            BUDGET,
-            root_experts=root_experts,
-            layer_weights=weights,
-            validate=False,
-            impl=impl,
-            **keywords,
-        )
+    select = selector(impl, options(policy, share_buffer), placement, layer_weights=weights)
 
     args = (t.scores, t.parents, t.node_experts, t.root_experts)
     for backend in BACKENDS:
@@ -318,19 +326,7 @@ def test_cpu_fallback_compiles_before_the_warning(no_cuda_kernels, monkeypatch):
 @pytest.mark.slow  # inductor compiles C++ on the CPU: ~5 s native, ~35 s the reference
 def test_select_verify_set_under_inductor(impl):
     t = tree()
-    keywords = dict(options("adaptive", True).op_keywords(), **ep_keywords(True))
-
-    def select(scores, parents, node_experts, root_experts):
-        return select_verify_set(
-            scores,
-            parents,
-            node_experts,
-            BUDGET,
-            root_experts=root_experts,
-            validate=False,
-            impl=impl,
-            **keywords,
-        )
+    select = selector(impl, options("adaptive", True), ep_keywords(True))
 
     args = (t.scores, t.parents, t.node_experts, t.root_experts)
     compiled, recorder = compile_once(select, "inductor")

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from sgl_ecospec.ops.native import has_native, has_native_kernel
+from sgl_ecospec.ops.options import SelectionOptions
+from sgl_ecospec.ops.selection import native_arguments
 
 pytestmark = pytest.mark.skipif(not has_native(), reason="sgl_ecospec._C is not built")
 
@@ -46,26 +48,18 @@ def call(launcher: str, op: str, args: list):
     return overload(*moved)
 
 
+def select_names() -> list[str]:
+    """select_verify_set's argument names, in its schema's order."""
+    return [a.name for a in torch.ops.sgl_ecospec.select_verify_set.default._schema.arguments]
+
+
 def select_args(**changes) -> list:
-    args = dict(
-        scores=torch.tensor([[0.5, 0.4]]),
-        parents=torch.tensor([[-1, 0]]),
-        node_experts=torch.zeros((1, 2, 1, 1), dtype=torch.long),
-        budget=1,
-        root_experts=None,
-        policy="ecospec",
-        eps=0.1,
-        share_buffer=False,
-        layer_weights=None,
-        expert_rank=None,
-        num_ranks=1,
-        total_weight=0.0,
-        step_tokens=1.0,
-        step_cost=1.0,
-        candidate_cost=0.0,
-        candidate_decay=1.0,
-        min_score=0.0,
-    )
+    """A valid call's arguments, in the schema's order as the Python wrapper builds them
+    (``native_arguments``), with ``changes`` by the schema's argument names."""
+    tensors = [torch.tensor([[0.5, 0.4]]), torch.tensor([[-1, 0]]), torch.zeros((1, 2, 1, 1))]
+    tensors[2] = tensors[2].long()  # node_experts: int64 bitmaps
+    valid = native_arguments(*tensors, 1, None, None, None, SelectionOptions(), 1, 0.0)
+    args = dict(zip(select_names(), valid, strict=True))
     unknown = set(changes) - set(args)
     assert not unknown, unknown
     args.update(changes)
@@ -132,6 +126,11 @@ SELECT_CASES = {
     "total_weight nan": (dict(total_weight=math.nan), ValueError, "total_weight must lie"),
     "step_tokens": (dict(step_tokens=-1.0), ValueError, "step_tokens must be finite and >= 0"),
     "step_cost": (dict(step_cost=0.0), ValueError, "step_cost must be finite and > 0"),
+    "adaptive without step_cost": (
+        dict(policy="adaptive"),
+        ValueError,
+        "policy 'adaptive' needs step_cost",
+    ),
     "candidate_cost": (
         dict(candidate_cost=-1.0),
         ValueError,
@@ -198,11 +197,11 @@ def test_bitmap_ops_reject_alike(case):
     assert_same_error_everywhere(op, args, error, message)
 
 
-TENSOR_INDEX = {"parents": 1, "node_experts": 2, "root_experts": 4, "expert_rank": 9}
+TENSORS = ("parents", "node_experts", "root_experts", "expert_rank")
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
-@pytest.mark.parametrize("name", TENSOR_INDEX)
+@pytest.mark.parametrize("name", TENSORS)
 def test_tensors_on_two_devices_are_rejected(launcher, name):
     # scores on the launcher's device and one other tensor elsewhere: the dispatcher picks
     # a kernel from the union of the devices, so each launcher must catch the mix itself.
@@ -210,7 +209,7 @@ def test_tensors_on_two_devices_are_rejected(launcher, name):
     args = select_args(
         root_experts=torch.zeros((1, 1, 1), dtype=LONG), expert_rank=torch.zeros(8, dtype=LONG)
     )
-    odd = TENSOR_INDEX[name]
+    odd = select_names().index(name)
     args = [_to(a, other if i == odd else torch.device(launcher)) for i, a in enumerate(args)]
     overload = torch.ops.sgl_ecospec.select_verify_set.default
     with pytest.raises(ValueError) as info:

@@ -182,33 +182,6 @@ def build_case(case):
     return (scores, parents, node_experts, case["budget"]), kwargs
 
 
-def python_greedy_for(case, args, kwargs):
-    """python_greedy on a case of build_case, with the API's defaults filled in."""
-    placement = {}
-    if "expert_rank" in kwargs:
-        total_weight = kwargs["total_weight"]
-        placement = dict(
-            expert_rank=kwargs["expert_rank"],
-            num_ranks=kwargs["num_ranks"],
-            total_weight=1 / kwargs["num_ranks"] if total_weight is None else total_weight,
-        )
-    return python_greedy(
-        *args,
-        kwargs["root_experts"],
-        kwargs["policy"],
-        kwargs["eps"],
-        kwargs["share_buffer"],
-        kwargs["layer_weights"],
-        case["num_experts"],
-        step_tokens=kwargs.get("step_tokens", 1.0),
-        step_cost=kwargs.get("step_cost", 1.0),
-        candidate_cost=kwargs["candidate_cost"],
-        candidate_decay=kwargs["candidate_decay"],
-        min_score=kwargs["min_score"],
-        **placement,
-    )
-
-
 @settings(max_examples=150, deadline=None)
 @given(case=tree_cases)
 def test_reference_matches_python_sets_and_invariants(case):
@@ -216,7 +189,7 @@ def test_reference_matches_python_sets_and_invariants(case):
     out = select_verify_set(*args, impl="reference", **kwargs)
     full = case["policy"] != "adaptive" and case["min_score"] == 0
     assert_valid_selection(out, args[1], args[3], full=full)
-    assert out.tolist() == python_greedy_for(case, args, kwargs)
+    assert out.tolist() == python_greedy(*args, case["num_experts"], **kwargs)
 
 
 @requires_native
@@ -233,7 +206,7 @@ def test_native_matches_reference(case):
 def test_ep_cost_on_larger_trees(case):
     args, kwargs = build_case(case)
     expected = select_verify_set_reference(*args, **kwargs)
-    assert expected.tolist() == python_greedy_for(case, args, kwargs)
+    assert expected.tolist() == python_greedy(*args, case["num_experts"], **kwargs)
     if has_native():
         assert torch.equal(select_verify_set(*args, impl="native", **kwargs), expected)
 

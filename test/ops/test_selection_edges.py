@@ -7,6 +7,7 @@ import torch
 from _selection import experts, random_tree
 
 from sgl_ecospec import select_verify_set
+from sgl_ecospec.ops.options import SelectionOptions
 
 
 def test_adaptive_stops_when_the_next_node_lowers_the_rate(impl):
@@ -272,6 +273,9 @@ def test_cycles_are_never_selected_without_validation(impl):
             "step_tokens must be >= 0",
         ),
         (dict(policy="adaptive", step_cost=math.nan), ValueError, "step_cost must be finite"),
+        (dict(options=SelectionOptions(), eps=0.2), TypeError, "either as options= or as keywords"),
+        (dict(options={"eps": 0.2}), TypeError, "options must be a SelectionOptions"),
+        (dict(epsilon=0.2), TypeError, r"unknown selection option\(s\) \['epsilon'\]"),
     ],
 )
 def test_bad_arguments(kwargs, error, message):
@@ -290,3 +294,21 @@ def test_bad_arguments(kwargs, error, message):
             args.pop("budget"),
             **args,
         )
+
+
+def test_options_and_keywords_select_alike(impl):
+    scores, parents = torch.tensor([[1.0, 0.53, 0.42]]), torch.tensor([[-1, 0, 0]])
+    node_experts = torch.stack(
+        [experts([1, 2, 3, 4]), experts([1, 5, 6, 7]), experts([1, 2, 5, 6])]
+    )
+    for keywords in (dict(eps=0.1), dict(policy="confidence"), dict(eps=0.1, min_score=0.5)):
+        by_keywords = select_verify_set(
+            scores, parents, node_experts[None], 2, impl=impl, **keywords
+        )
+        options = SelectionOptions(**keywords)
+        by_options = select_verify_set(
+            scores, parents, node_experts[None], 2, impl=impl, options=options
+        )
+        assert torch.equal(by_keywords, by_options)
+    # The paper's example: ecospec takes t2, confidence t1, a floor of 0.5 t1 alone.
+    assert by_options.tolist() == [[0, 1]]

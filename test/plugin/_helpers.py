@@ -2,6 +2,7 @@
 spies on the selection step, and model directories holding only a config (for SGLang's
 server-argument resolution)."""
 
+import dataclasses
 import json
 
 import torch
@@ -45,6 +46,15 @@ def make_selector(policy="confidence", share_buffer=True, num_experts=16, max_ba
     )
 
 
+def cpu_runtime(settings, model_config, topk, num_draft_tokens, max_batch=4, **extra):
+    """An ``EcoSpecRuntime`` on the CPU for a draft tree of branching ``topk`` and
+    ``num_draft_tokens`` verified rows per request (``extra``: its other keywords)."""
+    from sglang_ecospec.runtime import EcoSpecRuntime
+
+    tree = dict(topk=topk, num_draft_tokens=num_draft_tokens, max_batch=max_batch)
+    return EcoSpecRuntime(settings, model_config, **tree, device="cpu", **extra)
+
+
 def assert_valid_selection(tree, got, ndt, topk=3):
     score_list, token_list, parents_list = tree
     parent_list, index, draft_tokens = got
@@ -61,12 +71,14 @@ def assert_valid_selection(tree, got, ndt, topk=3):
 
 
 def spy_on_selection(monkeypatch):
-    """Records the keyword arguments of every select_verify_set call the selector makes."""
+    """Records the keyword arguments of every select_verify_set call the selector makes, the
+    options' fields (policy, eps, ...) among them."""
     calls = []
     real = library_step.select_verify_set
 
     def spy(*args, **kwargs):
-        calls.append(kwargs)
+        fields = dataclasses.asdict(kwargs["options"])
+        calls.append({**fields, **kwargs})
         return real(*args, **kwargs)
 
     monkeypatch.setattr(library_step, "select_verify_set", spy)

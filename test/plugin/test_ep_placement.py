@@ -6,9 +6,7 @@ import torch
 from sglang_ecospec import ep_placement, hooks, selection
 from sglang_ecospec.settings import EcoSpecSettings
 
-from plugin._helpers import (
-    spy_on_selection,
-)
+from plugin._helpers import cpu_runtime, spy_on_selection
 from sgl_ecospec.predictors import OnlineExpertPredictor
 
 
@@ -169,20 +167,13 @@ def test_eplb_refresh_applies_at_the_next_decode_step():
     ranks at the start of the next decode step (on the forward stream), never mid-step."""
     from types import SimpleNamespace
 
-    from sglang_ecospec.runtime import EcoSpecRuntime
     from transformers import Qwen2MoeConfig
 
     metadata = fake_expert_location([[4, 5, 6, 7, 0, 1, 2, 3], list(range(8))], 2)
     config = Qwen2MoeConfig(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
-    runtime = EcoSpecRuntime(
-        EcoSpecSettings(log_interval=0, num_buckets=64),
-        config,
-        topk=2,
-        num_draft_tokens=2,
-        max_batch=2,
-        device="cpu",
-        ep_layout=ep_placement.EPLayout(ep_size=2, metadata=metadata),
-    )
+    layout = ep_placement.EPLayout(ep_size=2, metadata=metadata)
+    settings = EcoSpecSettings(log_interval=0, num_buckets=64)
+    runtime = cpu_runtime(settings, config, 2, 2, max_batch=2, ep_layout=layout)
     spec_info = SimpleNamespace(is_draft_input=lambda: True, bonus_tokens=torch.tensor([1]))
     try:
         ranks = runtime.placement.expert_rank

@@ -46,3 +46,30 @@ def test_step_costs_per_bucket_for_the_adaptive_policy():
         plain.step_cost(1)
     with pytest.raises(ValueError, match="no candidate costs"):
         plain.candidate_cost(1)
+
+
+def test_batch_options_take_each_buckets_costs_once():
+    table = eps_table.EpsTable(
+        batches=(1, 4),
+        eps=(0.5, 2.0),
+        step_costs=(10.0, 30.0),
+        candidate_costs=((1.0, 0.5), (3.0, 0.25)),
+    )
+    fields = dict(policy="adaptive", share_buffer=True, total_weight=0.0, min_score=0.0)
+    options_for = eps_table.BatchOptions(fields, table)
+    one, many = options_for(1), options_for(7)
+    assert (one.eps, one.step_cost, one.candidate_cost, one.candidate_decay) == (
+        0.5,
+        10.0,
+        1.0,
+        0.5,
+    )
+    assert (many.eps, many.step_cost, many.candidate_cost) == (2.0, 30.0, 3.0)
+    assert options_for(4) is many and many.total_weight == 0.0  # one checked copy per bucket
+    # The other policies take the bucket's eps only.
+    ecospec = eps_table.BatchOptions({**fields, "policy": "ecospec"}, table)(4)
+    assert ecospec.eps == 2.0 and ecospec.step_cost is None and ecospec.candidate_cost == 0.0
+    with pytest.raises(ValueError, match="never both"):
+        eps_table.BatchOptions({**fields, "eps": 0.1}, table)
+    with pytest.raises(ValueError, match="never both"):
+        eps_table.BatchOptions(fields, None)

@@ -15,7 +15,7 @@ from sglang_ecospec import ep_placement, routing, selection
 from sglang_ecospec.settings import EcoSpecSettings
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from plugin._helpers import sglang_draft_tree, spy_on_host_reads
+from plugin._helpers import cpu_runtime, sglang_draft_tree, spy_on_host_reads
 from sgl_ecospec.predictors import OnlineExpertPredictor
 
 BATCH, TOPK, STEPS, NDT, L, E, K = 3, 3, 3, 8, 2, 16, 2
@@ -136,19 +136,11 @@ class OpLog(TorchDispatchMode):
 def test_after_verify_is_a_few_kernels_without_host_sync(monkeypatch):
     from types import SimpleNamespace
 
-    from sglang_ecospec.runtime import EcoSpecRuntime
     from transformers import Qwen2MoeConfig
 
     config = Qwen2MoeConfig(num_hidden_layers=L, num_experts=E, num_experts_per_tok=K)
-    runtime = EcoSpecRuntime(
-        EcoSpecSettings(log_interval=1, num_buckets=64),  # a snapshot after every step
-        config,
-        topk=TOPK,
-        num_draft_tokens=NDT,
-        num_steps=STEPS,
-        max_batch=4,
-        device="cpu",
-    )
+    settings = EcoSpecSettings(log_interval=1, num_buckets=64)  # a snapshot after every step
+    runtime = cpu_runtime(settings, config, TOPK, NDT, num_steps=STEPS)
     reads = spy_on_host_reads(monkeypatch)
     try:
         tree = sglang_draft_tree(BATCH, TOPK, STEPS, seed=3)

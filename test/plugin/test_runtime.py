@@ -54,14 +54,14 @@ def test_runtime_builds_ep_placement_and_cost_model_eps():
         perf = PerformanceModel(model, hardware, analytic_params(model, hardware).params)
         for batch, eps in zip(table.batches, table.eps, strict=True):
             assert eps == selection_cost(perf, batch, 6, layers=48, ep_size=2).eps
-        assert runtime.selector.eps_for(39) == table.eps[-2]
+        assert runtime.selector.options_for(39).eps == table.eps[-2]
     finally:
         runtime.close()
     assert ep_placement.slot.active() is None and selection.slot.active() is None
     # ep_cost=false: no placement even under EP.
     off = ep2_runtime(EcoSpecSettings(ep_cost=False, num_buckets=64, log_interval=0), 4)
     off.close()
-    assert off.selector.placement is None and off.selector.eps_for(4) == 0.1
+    assert off.selector.placement is None and off.selector.options_for(4).eps == 0.1
 
 
 def test_runtime_learns_from_the_verify_routing_and_logs_statistics():

@@ -214,8 +214,8 @@ def test_recall_weighted_cost_is_the_librarys_rule_without_a_host_read(monkeypat
         assert_valid_selection(tree, got, 7)
         ((args, kwargs),) = calls
         options, weights = selector.live_recall.weigh(selector.options_for(4), None, host_eps=True)
-        assert kwargs["eps"] == selector.options_for(4).eps  # nothing read on the host
-        library = {**kwargs, "eps": options.eps, "layer_weights": weights}
+        assert kwargs["options"].eps == selector.options_for(4).eps  # nothing read on the host
+        library = {**kwargs, "options": options, "layer_weights": weights}
         assert torch.equal(got[1], real(*args, **library))
     plain.set_roots(roots)
     calls.clear()

@@ -179,15 +179,22 @@ def test_vocab_predictor_reads_no_pairs_and_online_stays_hashed():
     assert online.root_context is None and online.selector.verify_context is None
 
 
-def test_saved_vocab_tables_must_fit_the_served_vocabulary_and_kind(tmp_path):
+def saved_and_served(tmp_path, kind):
+    """A ``kind`` table that saw one verified row, saved, and the served predictor loaded
+    from it: (the table, the settings naming its file, the loaded predictor)."""
     from sgl_ecospec.predictors import make_predictor
 
-    path = tmp_path / "context.pt"
-    saved = make_predictor("context", L, E, K, vocab_size=VOCAB)
+    path = tmp_path / f"{kind}.pt"
+    saved = make_predictor(kind, L, E, K, vocab_size=VOCAB)
     saved.observe(torch.tensor([3]), torch.tensor([[[1, 2], [3, 4]]]), context_tokens=None)
     saved.save(path)
-    settings = EcoSpecSettings(predictor="context", predictor_file=str(path))
-    loaded = served_predictor.build_predictor(settings, moe_config(), "cpu")
+    settings = EcoSpecSettings(predictor=kind, predictor_file=str(path))
+    return saved, settings, served_predictor.build_predictor(settings, moe_config(), "cpu")
+
+
+def test_saved_vocab_tables_must_fit_the_served_vocabulary_and_kind(tmp_path):
+    saved, settings, loaded = saved_and_served(tmp_path, "context")
+    path = settings.predictor_file
     assert torch.equal(loaded.token_counts, saved.token_counts)
     with pytest.raises(ValueError, match="vocab_size 64, the served model 128"):
         served_predictor.build_predictor(settings, moe_config(vocab=128), "cpu")
@@ -197,18 +204,14 @@ def test_saved_vocab_tables_must_fit_the_served_vocabulary_and_kind(tmp_path):
 
 
 def test_adjacent_is_served_fresh_or_from_its_own_saved_table(tmp_path):
-    from sgl_ecospec.predictors import AdjacentExpertPredictor, make_predictor
+    from sgl_ecospec.predictors import AdjacentExpertPredictor
 
     fresh = build_runtime(EcoSpecSettings(predictor="adjacent", log_interval=0))
     fresh.close()
     assert isinstance(fresh.predictor, AdjacentExpertPredictor)
     assert fresh.predictor.vocab_size == VOCAB and fresh.root_context is not None
-    path = tmp_path / "adjacent.pt"
-    saved = make_predictor("adjacent", L, E, K, vocab_size=VOCAB)
-    saved.observe(torch.tensor([3]), torch.tensor([[[1, 2], [3, 4]]]), context_tokens=None)
-    saved.save(path)
-    settings = EcoSpecSettings(predictor="adjacent", predictor_file=str(path))
-    loaded = served_predictor.build_predictor(settings, moe_config(), "cpu")
+    saved, settings, loaded = saved_and_served(tmp_path, "adjacent")
+    path = settings.predictor_file
     assert isinstance(loaded, AdjacentExpertPredictor)
     assert torch.equal(loaded.token_topk, saved.token_topk)
     context = EcoSpecSettings(predictor="context", predictor_file=str(path))

@@ -4,6 +4,7 @@ import dataclasses
 import json
 
 import pytest
+from sglang_ecospec.eps_table import BatchOptions
 from sglang_ecospec.settings import EcoSpecSettings, EcoSpecSettingsError
 
 from sgl_ecospec.ops.selection import ADAPTIVE_EP_TOTAL_WEIGHT
@@ -117,13 +118,14 @@ def test_settings_eps_auto_and_ep_fields(tmp_path):
             "SGLANG_ECOSPEC_HARDWARE": "h200",
         }
     )
-    assert adaptive.selection_options().policy == "adaptive"  # step cost set per batch
+    fields = adaptive.selection_fields()  # eps and the step cost come per batch size
+    assert fields["policy"] == "adaptive" and "eps" not in fields and "step_cost" not in fields
     # Under EP "adaptive" charges only the busiest rank's rise unless told otherwise; the
     # other policies keep the op's 1 / R; a set total_weight wins for every policy.
-    assert adaptive.selection_options().total_weight == ADAPTIVE_EP_TOTAL_WEIGHT == 0.0
-    assert EcoSpecSettings().selection_options().total_weight is None
+    assert adaptive.selection_fields()["total_weight"] == ADAPTIVE_EP_TOTAL_WEIGHT == 0.0
+    assert EcoSpecSettings().selection_fields()["total_weight"] is None
     set_weight = dataclasses.replace(adaptive, total_weight=0.5)
-    assert set_weight.selection_options().total_weight == 0.5
+    assert set_weight.selection_fields()["total_weight"] == 0.5
     assert settings.ep_cost is False and settings.total_weight == 0.25
     assert not EcoSpecSettings().eps_auto and EcoSpecSettings().ep_cost
     config = tmp_path / "ecospec.json"
@@ -165,10 +167,12 @@ def test_settings_predictors_of_the_catalog_and_recall_weighted_cost():
 
 
 def test_settings_min_score():
-    assert EcoSpecSettings().selection_options().min_score == 0.0
+    assert EcoSpecSettings().selection_fields() == dict(
+        policy="ecospec", share_buffer=True, total_weight=None, min_score=0.0, eps=0.1
+    )
     settings = EcoSpecSettings.from_env({"SGLANG_ECOSPEC_MIN_SCORE": "0.05"})
-    assert settings.selection_options().min_score == 0.05
-    assert settings.selection_options().stops_short
+    options = BatchOptions(settings.selection_fields(), None)(8)
+    assert options.min_score == 0.05 and options.stops_short
     with pytest.raises(EcoSpecSettingsError, match=r"min_score must be >= 0, got -1.0$"):
         EcoSpecSettings.from_env({"SGLANG_ECOSPEC_MIN_SCORE": "-1"})
 

@@ -17,6 +17,17 @@ def add_tree_arguments(group) -> None:
     group.add_argument("--budget", type=int, default=4, help="draft tokens verified per request")
 
 
+def add_decoding_group(parser, *, batch_size: int):
+    """The "decoding" group of ``bench`` and ``train-head``: ``--max-new-tokens``,
+    ``--batch-size`` (default ``batch_size``) and the draft tree; returned for the command's
+    own flags."""
+    group = parser.add_argument_group("decoding")
+    group.add_argument("--max-new-tokens", type=int, default=64)
+    group.add_argument("--batch-size", type=int, default=batch_size, help="prompts per batch")
+    add_tree_arguments(group)
+    return group
+
+
 def add_predictor_arguments(group) -> None:
     """``--predictor`` and ``--predictor-file`` (shared by ``bench`` and ``sweep``)."""
     group.add_argument(

@@ -32,6 +32,7 @@ from sgl_ecospec.lab.bench.runs import (
     performance_model,
     run_greedy,
     run_predictor,
+    speculative_batches,
 )
 from sgl_ecospec.lab.command_line import add_command
 from sgl_ecospec.lab.config import (
@@ -72,10 +73,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     data.add_argument("--num-prompts", type=int, default=16, help="prompts per dataset")
     data.add_argument("--seed", type=int, default=0, help="picks the prompt subset")
-    gen = parser.add_argument_group("decoding")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--batch-size", type=int, default=1, help="prompts per batch")
-    arguments.add_tree_arguments(gen)
+    gen = arguments.add_decoding_group(parser, batch_size=1)
     gen.add_argument("--budgets", help="comma-separated budgets for the sweep and the plot")
     gen.add_argument(
         "--policy",
@@ -186,26 +184,25 @@ def speculative_run(
     progress.verify_steps = 0
     for name, groups in groups_by_name.items():
         progress.describe(f"{policy} budget {budget} {name}")
-        ds_steps, index = [], 0
+        ds_steps = []
         ds_check = OutputCheck(engine, cfg.check_lossless, check.label)
-        for group in groups:
-            result = engine.generate_speculative(
-                group,
-                limit,
-                spec,
-                predictor=predictor,
-                progress=progress.on_step,
-                calibrator=calibrator,
-                exchange=exchange,
-                compare=compare,
-            )
-            for ids, got in zip(group, result.outputs, strict=True):
-                ds_check.compare(prompts[name][index], ids, greedy[name][index], list(got[:limit]))
-                index += 1
+        for result in speculative_batches(
+            engine,
+            groups,
+            limit,
+            spec,
+            progress,
+            ds_check,
+            prompts[name],
+            greedy[name],
+            predictor=predictor,
+            calibrator=calibrator,
+            exchange=exchange,
+            compare=compare,
+        ):
             ds_steps += result.steps
             if result.predictor_recall is not None:
                 engine_recalls.append((result.predictor_recall, len(result.steps)))
-            progress.advance()
         per_dataset[name] = {
             **metrics.summarize(ds_steps),
             **metrics.predicted_acceptance(ds_steps),

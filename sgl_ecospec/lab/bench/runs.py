@@ -249,3 +249,19 @@ class OutputCheck:
             "mismatch_count": len(self.mismatches),
             "mismatches": (self.mismatches + self.near_ties)[:MAX_MISMATCHES],
         }
+
+
+def speculative_batches(engine, groups, limit, spec, progress, check, prompts, greedy, **run):
+    """Decodes each batch of ``groups`` (lists of prompt token ids) speculatively with
+    ``spec``, compares every output with the greedy one (``check``: an :class:`OutputCheck`;
+    ``prompts`` and ``greedy`` line up with the groups' prompts) and yields each batch's
+    result, advancing ``progress`` after the caller has read it. ``run``: the further
+    keywords of ``OfflineEngine.generate_speculative`` (predictor, calibrator, ...)."""
+    index = 0
+    for group in groups:
+        result = engine.generate_speculative(group, limit, spec, progress=progress.on_step, **run)
+        for ids, got in zip(group, result.outputs, strict=True):
+            check.compare(prompts[index], ids, greedy[index], list(got[:limit]))
+            index += 1
+        yield result
+        progress.advance()

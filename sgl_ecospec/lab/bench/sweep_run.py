@@ -17,6 +17,7 @@ from sgl_ecospec.lab.bench.runs import (
     performance_model,
     run_greedy,
     run_predictor,
+    speculative_batches,
 )
 from sgl_ecospec.lab.bench.sweep_plan import (
     PAIRED_AGAINST,
@@ -93,25 +94,15 @@ def speculative_run(
     torch.manual_seed(cfg.seed)
     predictor = run_predictor(cfg, engine)
     limit, started = cfg.max_new_tokens, time.perf_counter()
-    steps, index = [], 0
+    steps = []
     check = OutputCheck(engine, cfg.check_lossless, label)
     progress.verify_steps = 0
     progress.describe(label)
-    for group in groups:
-        result = engine.generate_speculative(
-            group,
-            limit,
-            spec,
-            predictor=predictor,
-            progress=progress.on_step,
-            compare=compare,
-            exchange=exchange,
-        )
-        for ids, got in zip(group, result.outputs, strict=True):
-            check.compare(prompts[index], ids, greedy[index], list(got[:limit]))
-            index += 1
+    run = dict(predictor=predictor, compare=compare, exchange=exchange)
+    for result in speculative_batches(
+        engine, groups, limit, spec, progress, check, prompts, greedy, **run
+    ):
         steps += result.steps
-        progress.advance()
     summary = metrics.summarize(steps)
     verified = sum(s.verified_tokens for s in steps) / sum(s.batch_size for s in steps)
     return steps, {

@@ -90,10 +90,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     data.add_argument("--num-prompts", type=int, default=64, help="prompts per dataset")
     data.add_argument("--seed", type=int, default=0, help="picks the prompts and the split")
-    gen = parser.add_argument_group("decoding")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--batch-size", type=int, default=4, help="prompts per batch")
-    arguments.add_tree_arguments(gen)
+    arguments.add_decoding_group(parser, batch_size=4)
     head = parser.add_argument_group("head")
     head.add_argument("--rank", type=int, default=64, help="bottleneck width")
     head.add_argument(

@@ -7,7 +7,7 @@ import torch
 from sgl_ecospec.lab.engine.drafter import TREE_ATTENTION
 from sgl_ecospec.lab.engine.evict import EVICT
 from sgl_ecospec.lab.engine.tree import num_candidates
-from sgl_ecospec.ops.selection import SelectionOptions
+from sgl_ecospec.ops.options import OPTION_NAMES, SelectionOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,18 +70,19 @@ class SpecConfig:
     num_steps: int = 3
     budget: int = 4
     policy: str = "confidence"
-    eps: float = 0.1
+    eps: float = SelectionOptions.eps
     share_buffer: bool = True
     tree_attention: str = "sglang"
     layer_weights: tuple[float, ...] | None = None
     expert_rank: tuple[int, ...] | tuple[tuple[int, ...], ...] | None = None
     num_ranks: int | None = None
-    total_weight: float | None = None
-    step_tokens: float = 1.0
-    step_cost: float | None = None
-    candidate_cost: float = 0.0
-    candidate_decay: float = 1.0
-    min_score: float = 0.0
+    # The selection's own defaults: SpecConfig differs only in policy and share_buffer.
+    total_weight: float | None = SelectionOptions.total_weight
+    step_tokens: float = SelectionOptions.step_tokens
+    step_cost: float | None = SelectionOptions.step_cost
+    candidate_cost: float = SelectionOptions.candidate_cost
+    candidate_decay: float = SelectionOptions.candidate_decay
+    min_score: float = SelectionOptions.min_score
     evict_seconds: tuple[float, ...] | None = None
     calibrated_acceptance: bool = False
     recall_weighted_cost: bool = False
@@ -99,21 +100,9 @@ class SpecConfig:
                 f"topk={self.topk}, num_steps={self.num_steps}), got {self.budget}"
             )
         # The policy, eps, total weight and adaptive account are checked in one place.
-        object.__setattr__(
-            self,
-            "selection_options",
-            SelectionOptions(
-                "confidence" if self.policy == EVICT else self.policy,
-                self.eps,
-                self.share_buffer,
-                self.total_weight,
-                self.step_tokens,
-                self.step_cost,
-                self.candidate_cost,
-                self.candidate_decay,
-                self.min_score,
-            ),
-        )
+        fields = {name: getattr(self, name) for name in OPTION_NAMES}
+        fields["policy"] = "confidence" if self.policy == EVICT else self.policy
+        object.__setattr__(self, "selection_options", SelectionOptions(**fields))
         if not isinstance(self.recall_weighted_cost, bool):
             raise TypeError(
                 f"recall_weighted_cost must be a bool, got {self.recall_weighted_cost!r}"

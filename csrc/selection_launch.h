@@ -1,0 +1,48 @@
+// The CUDA selection kernel's launch plan and arguments, made from a checked call. The CUDA
+// launcher (ops_cuda.cu) and the tests' CPU emulation of the kernel
+// (test/ops/cuda_emulated_select.cpp) both use these two functions, so the emulation runs
+// the kernel on exactly the arguments the launcher gives it.
+#pragma once
+
+#include <cstdint>
+
+#include "selection_call.h"
+#include "selection_core.h"
+#include "selection_cuda.cuh"
+
+namespace sgl_ecospec {
+
+// How a call runs (blocks, requests per block, workspace), with at most `shared_limit` bytes
+// of dynamic shared memory per block.
+inline SelectLaunch plan_select_call(const SelectShape& shape, const SelectOptions& options,
+                                     const Placement& placement, int64_t shared_limit) {
+  const int64_t rank_rows = placement.layer_stride == 0 ? 1 : shape.layers;
+  return plan_select(shape.batch, shape.num_nodes, shape.layers, shape.words, options.policy,
+                     options.share_buffer, placement.enabled, rank_rows, placement.num_experts,
+                     placement.num_ranks, shared_limit);
+}
+
+// select_kernel's arguments. `scratch`: launch.blocks x launch.layout.global_bytes bytes, or
+// nullptr when the workspace fits in shared memory.
+inline SelectArgs select_args(const SelectBuffers& io, unsigned char* scratch,
+                              const SelectShape& shape, const SelectOptions& options,
+                              const Placement& placement, const SelectLaunch& launch) {
+  SelectArgs a{};
+  a.prob = io.prob, a.parents = io.parents, a.experts = io.experts, a.roots = io.roots;
+  a.weights = io.weights, a.out = io.out;
+  a.rank = placement.enabled ? placement.rank : nullptr;
+  a.scratch = launch.layout.global_bytes > 0 ? scratch : nullptr;
+  a.batch = shape.batch, a.num_nodes = shape.num_nodes, a.budget = shape.budget;
+  a.layers = shape.layers, a.words = shape.words;
+  a.requests_per_block = launch.group;
+  a.policy = options.policy, a.eps = options.eps, a.min_score = options.min_score;
+  a.step_tokens = options.step_tokens, a.step_cost = options.step_cost;
+  a.candidate_cost = options.candidate_cost, a.candidate_decay = options.candidate_decay;
+  a.ep = placement.enabled, a.rank_layer_stride = placement.layer_stride;
+  a.num_experts = placement.num_experts, a.num_ranks = placement.num_ranks;
+  a.total_weight = placement.total_weight;
+  a.layout = launch.layout;
+  return a;
+}
+
+}  // namespace sgl_ecospec
