@@ -32,7 +32,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from sgl_ecospec.lab import numerics
+from sgl_ecospec.lab import greedy_check, numerics
+from sgl_ecospec.lab.datasets import load_prompts, render_chat
 from sgl_ecospec.lab.testbed import build as testbed_build
 from sgl_ecospec.lab.testbed.recipe import FULL, cache_root
 
@@ -40,6 +41,8 @@ INFO_FILE = "build.json"
 INDEX_FILE = "model.safetensors.index.json"
 # Rounding of the padded width: kernels tile the expert dimension in powers of two.
 WIDTH_MULTIPLE = 32
+# The greedy check's prompts and length: the serving benchmark's defaults.
+BENCH_PROMPTS, BENCH_TOKENS = 8, 32
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -178,6 +181,31 @@ def pad_checkpoint(source: Path, out: Path, width: int, log: Callable[[str], Non
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
+def check_greedy(full: Path, padded: Path, log: Callable[[str], None]) -> dict:
+    """:func:`greedy_check.compare_greedy` of the padded target against the full one (both
+    float32) on the serving benchmark's prompts (its defaults: 8 MT-Bench first turns, seed
+    0, 32 new tokens); logs and returns the report."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.perf_counter()
+    log(f"[testbed] greedy check on {BENCH_PROMPTS} MT-Bench prompts x {BENCH_TOKENS} tokens ...")
+    tokenizer = AutoTokenizer.from_pretrained(full)
+    prompts = load_prompts("mt-bench", num_prompts=BENCH_PROMPTS, seed=0)
+    ids = [render_chat(tokenizer, prompt.text) for prompt in prompts]
+    models = [
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        for path in (full, padded)
+    ]
+    report = greedy_check.compare_greedy(*models, ids, BENCH_TOKENS)
+    report["seconds"] = round(time.perf_counter() - start, 1)
+    log(
+        f"[testbed] greedy check: {report['identical']} of {report['prompts']} identical, "
+        f"{report['near_ties']} near-ties, {report['divergences']} divergences, largest "
+        f"logit difference {report['max_logit_diff']:.2e} ({report['seconds']}s)"
+    )
+    return report
+
+
 def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -229,6 +257,7 @@ def build(*, force: bool = False, log: Callable[[str], None] = _stderr) -> Path:
             "seconds": round(time.perf_counter() - start, 1),
         }
         log(f"[testbed] target weights sha256 {info['weights_sha256']} ({info['seconds']}s)")
+        info["greedy_check"] = check_greedy(full / "target", work / "target", log)
         (work / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
         shutil.rmtree(out, ignore_errors=True)
         work.rename(out)
