@@ -79,32 +79,36 @@ class MoeLayerShape:
         return parts["routed_experts"] / sum(parts.values())
 
 
-# Qwen3-235B-A22B's config.json (94 layers, vocab 151936; lm_head and embeddings are not
-# per-layer reads and are left out of the share).
-QWEN3_235B_A22B = MoeLayerShape(
-    hidden=4096,
-    q_heads=64,
-    kv_heads=4,
-    head_dim=128,
-    experts=128,
-    top_k=8,
-    expert_width=1536,
-    shared_width=0,
-)
+# The per-layer sizes of Qwen3-235B-A22B's config.json (it also has 94 layers and a 151,936
+# vocabulary: embeddings and lm_head are not per-layer reads and stay out of the share).
+QWEN3_235B_A22B_CONFIG = {
+    "hidden_size": 4096,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 1536,
+}
 
 
-def qwen2_moe_shape(config: dict) -> MoeLayerShape:
-    """The layer shape of a Qwen2-MoE ``config.json`` (head_dim = hidden / heads)."""
+def moe_layer_shape(config: dict) -> MoeLayerShape:
+    """The layer shape of a Qwen2-MoE or Qwen3-MoE ``config.json`` (``head_dim`` defaults to
+    hidden / heads, the shared expert to none)."""
+    heads = config["num_attention_heads"]
     return MoeLayerShape(
         hidden=config["hidden_size"],
-        q_heads=config["num_attention_heads"],
+        q_heads=heads,
         kv_heads=config["num_key_value_heads"],
-        head_dim=config["hidden_size"] // config["num_attention_heads"],
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
         experts=config["num_experts"],
         top_k=config["num_experts_per_tok"],
         expert_width=config["moe_intermediate_size"],
-        shared_width=config["shared_expert_intermediate_size"],
+        shared_width=config.get("shared_expert_intermediate_size", 0),
     )
+
+
+QWEN3_235B_A22B = moe_layer_shape(QWEN3_235B_A22B_CONFIG)
 
 
 def padded_width(shape: MoeLayerShape, share: float, multiple: int = WIDTH_MULTIPLE) -> int:
@@ -223,42 +227,56 @@ def build(*, force: bool = False, log: Callable[[str], None] = _stderr) -> Path:
     takes long); returns its directory (``target/``, ``draft/``, ``build.json``)."""
     full = testbed_build.build(FULL, log=log)
     config = json.loads((full / "target" / "config.json").read_text())
-    shape = qwen2_moe_shape(config)
+    shape = moe_layer_shape(config)
     width = padded_width(shape, QWEN3_235B_A22B.routed_share())
     out = variant_dir(full, width)
     if (out / INFO_FILE).is_file() and not force:
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _exclusive(out):
         if (out / INFO_FILE).is_file() and not force:
-            return out
+            return out  # built by another process while this one waited
         work = out.with_name(out.name + ".partial")
-        shutil.rmtree(work, ignore_errors=True)
-        padded = dataclasses.replace(shape, expert_width=width)
-        log(
-            f"[testbed] bandwidth variant: routed experts {shape.expert_width} -> {width} "
-            f"neurons (routed share of a layer's reads {shape.routed_share():.3f} -> "
-            f"{padded.routed_share():.3f}; Qwen3-235B-A22B {QWEN3_235B_A22B.routed_share():.3f})"
-            f" into {work}"
-        )
-        start = time.perf_counter()
-        pad_checkpoint(full / "target", work / "target", width, log)
-        shutil.copytree(full / "draft", work / "draft")
-        info = {
-            "full_build": full.name,
-            "width": width,
-            "routed_share": {
-                "before": shape.routed_share(),
-                "after": padded.routed_share(),
-                "qwen3_235b_a22b": QWEN3_235B_A22B.routed_share(),
-            },
-            "weights_sha256": numerics.weights_sha256(work / "target"),
-            "seconds": round(time.perf_counter() - start, 1),
-        }
-        log(f"[testbed] target weights sha256 {info['weights_sha256']} ({info['seconds']}s)")
-        info["greedy_check"] = check_greedy(full / "target", work / "target", log)
-        (work / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+        shutil.rmtree(work, ignore_errors=True)  # what an interrupted build left
+        _build_into(work, full, shape, width, log)
         shutil.rmtree(out, ignore_errors=True)
         work.rename(out)
     return out
+
+
+@contextlib.contextmanager
+def _exclusive(out: Path):
+    """Holds ``out``'s build lock: one build of a variant directory at a time."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _build_into(
+    work: Path, full: Path, shape: MoeLayerShape, width: int, log: Callable[[str], None]
+) -> None:
+    """Writes the variant of ``full`` (a full testbed build) into ``work``, build.json last."""
+    padded = dataclasses.replace(shape, expert_width=width)
+    log(
+        f"[testbed] bandwidth variant: routed experts {shape.expert_width} -> {width} "
+        f"neurons (routed share of a layer's reads {shape.routed_share():.3f} -> "
+        f"{padded.routed_share():.3f}; Qwen3-235B-A22B {QWEN3_235B_A22B.routed_share():.3f})"
+        f" into {work}"
+    )
+    start = time.perf_counter()
+    pad_checkpoint(full / "target", work / "target", width, log)
+    shutil.copytree(full / "draft", work / "draft")
+    info = {
+        "full_build": full.name,
+        "width": width,
+        "routed_share": {
+            "before": shape.routed_share(),
+            "after": padded.routed_share(),
+            "qwen3_235b_a22b": QWEN3_235B_A22B.routed_share(),
+        },
+        "weights_sha256": numerics.weights_sha256(work / "target"),
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    log(f"[testbed] target weights sha256 {info['weights_sha256']} ({info['seconds']}s)")
+    info["greedy_check"] = check_greedy(full / "target", work / "target", log)
+    (work / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
