@@ -17,9 +17,10 @@
 # Speculative decoding on the CPU needs `--attention-backend triton`: added when a
 # --speculative-algorithm is given without an --attention-backend, refused with another one.
 # No CUDA graphs: `--disable-decode-cuda-graph` is added unless the decode graph is already
-# off (SGLang captures it by default, also on the CPU, and a speculative server then stops
-# with "Found no NVIDIA driver on your system"; the prefill graph is off on the CPU by
-# default); a flag that asks for a graph or tunes its capture is refused.
+# off (SGLang's default decode backend is `full` on the CPU too: a speculative server stops in
+# its capture with "Found no NVIDIA driver on your system", a plain one captures nothing;
+# the prefill graph is off on the CPU by default); a flag that asks for a graph or tunes its
+# capture is refused.
 # Pass small --max-total-tokens and --mem-fraction-static values (the CPU "memory pool" is
 # host RAM).
 # Threads: ECOSPEC_CPU_THREADS (default 1) OpenMP threads per server process.
@@ -75,8 +76,8 @@ if [ -n "$spec_algo" ]; then
   fi
 fi
 if [ -z "$decode_graph_off" ]; then
-  echo "[launch_cpu] adding --disable-decode-cuda-graph: the CPU has no CUDA graphs" \
-    "(SGLang would capture the decode graph and stop with \"Found no NVIDIA driver\")" >&2
+  echo "[launch_cpu] adding --disable-decode-cuda-graph: no CUDA graphs on the CPU (SGLang's" \
+    "decode graph capture stops a speculative server with \"Found no NVIDIA driver\")" >&2
   set -- "$@" --disable-decode-cuda-graph
 fi
 [ -x "$venv/bin/python" ] || {
