@@ -24,8 +24,8 @@ predicting experts with a head trained by ``sgl-ecospec train-head``. Asserted:
 8. the README's CPU server command, with exactly its arguments (a free port for its port),
    starts (the launcher adds what the CPU needs and says so) and answers.
 
-Servers are always shut down, even on failure. About 8 minutes on 2 cores. Select with
-``-m e2e``, skip with ``-m "not e2e"``.
+Servers are always shut down, even on failure. About 8 minutes on 2 cores, plus 86 s for 8.
+(2026-12-04, beside a testbed build). Select with ``-m e2e``, skip with ``-m "not e2e"``.
 """
 
 import json
