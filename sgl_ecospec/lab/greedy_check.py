@@ -2,18 +2,23 @@
 
 Two checkpoints that compute one function up to summation order (the bandwidth-bound
 testbed and the full one) can still pick different greedy tokens where two candidates'
-logits are closer than the rounding noise. :func:`compare_greedy` decodes each prompt with
-both, and classifies every first difference: a **near-tie** when, on the common prefix, the
-two tokens' logits are within ``near_tie`` of each other in both models (the order flipped
-by noise), otherwise a **divergence** (a real change of function).
+logits are closer than the rounding noise. :func:`compare_greedy` decodes each prompt
+greedily with the reference, then reads prompt and continuation with both models in one
+forward each (teacher-forced): the candidate decodes the same text exactly when its argmax
+at every continuation position is the reference's token. Every first difference is
+classified: a **near-tie** when the two tokens' logits are within ``near_tie`` of each
+other in both models (the order flipped by noise), otherwise a **divergence** (a real
+change of function). One forward instead of a decode loop keeps the large candidate cheap.
 """
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 # Logit gap (nats) below which a flipped greedy choice counts as a near-tie: float32
-# summation-order noise after a 30-layer forward is orders of magnitude smaller (the
-# comparison reports the largest logit difference it measured next to it).
+# summation-order noise is far smaller (the report gives the largest logit difference
+# measured between the models next to it).
 NEAR_TIE = 1e-3
 
 
@@ -32,9 +37,11 @@ def greedy(model: nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
 
 
 @torch.no_grad()
-def last_logits(model: nn.Module, ids: list[int]) -> torch.Tensor:
-    """float32 ``[V]``: the next-token logits after ``ids`` (one full forward)."""
-    return model(torch.tensor([ids])).logits[0, -1].float()
+def continuation_logits(model: nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """float32 ``[len(tokens), V]``: the logits that predict each of ``tokens`` after
+    ``prompt`` (one teacher-forced forward)."""
+    logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+    return logits[len(prompt) - 1 : -1]
 
 
 def compare_greedy(
@@ -43,47 +50,49 @@ def compare_greedy(
     prompts: list[list[int]],
     new_tokens: int,
     near_tie: float = NEAR_TIE,
+    log: Callable[[str], None] = lambda _: None,
 ) -> dict:
-    """Greedy decoding of every prompt by both models, compared token by token.
+    """Greedy continuations of every prompt, the reference's against the candidate's.
 
     Args:
         reference, candidate: causal LMs (transformers ``generate`` and ``.logits``).
         prompts: token ids of each prompt.
         new_tokens: tokens decoded per prompt.
         near_tie: the logit gap below which a difference is a near-tie.
+        log: receives one line per prompt.
 
     Returns:
         ``{"prompts", "identical", "near_ties", "divergences", "max_logit_diff",
-        "differences"}``: counts of prompts, the largest |logit difference| between the
-        models after each full prompt, and per differing prompt its index, first
-        differing position, both tokens and both models' gap between them there.
+        "differences"}``: prompt counts, the largest |logit difference| between the models
+        over every continuation position, and per differing prompt its index, first
+        differing position, both tokens and both models' logit gap between them there.
     """
     report = {"prompts": len(prompts), "identical": 0, "near_ties": 0, "divergences": 0}
     differences, max_diff = [], 0.0
     for index, prompt in enumerate(prompts):
-        before, after = last_logits(reference, prompt), last_logits(candidate, prompt)
-        max_diff = max(max_diff, (before - after).abs().max().item())
-        ref_tokens = greedy(reference, prompt, new_tokens)
-        cand_tokens = greedy(candidate, prompt, new_tokens)
-        if ref_tokens == cand_tokens:
+        tokens = greedy(reference, prompt, new_tokens)
+        ours = continuation_logits(reference, prompt, tokens)  # [new_tokens, V]
+        theirs = continuation_logits(candidate, prompt, tokens)  # [new_tokens, V]
+        max_diff = max(max_diff, (ours - theirs).abs().max().item())
+        differ = (theirs.argmax(-1) != torch.tensor(tokens)).nonzero()
+        if len(differ) == 0:
             report["identical"] += 1
+            log(f"  prompt {index}: identical")
             continue
-        position = next(
-            i for i, (a, b) in enumerate(zip(ref_tokens, cand_tokens, strict=True)) if a != b
-        )
-        prefix = prompt + ref_tokens[:position]
-        ours, theirs = ref_tokens[position], cand_tokens[position]
+        position = int(differ[0])
+        pair = [tokens[position], int(theirs[position].argmax())]
         gaps = [
-            abs(logits[ours] - logits[theirs]).item()
-            for logits in (last_logits(reference, prefix), last_logits(candidate, prefix))
+            abs(row[pair[0]] - row[pair[1]]).item() for row in (ours[position], theirs[position])
         ]
         tie = max(gaps) <= near_tie
         report["near_ties" if tie else "divergences"] += 1
+        kind = "near-tie" if tie else "DIVERGENCE"
+        log(f"  prompt {index}: {kind} at token {position} {pair}, logit gaps {gaps}")
         differences.append(
             {
                 "prompt": index,
                 "position": position,
-                "tokens": [ours, theirs],
+                "tokens": pair,
                 "logit_gaps": gaps,
                 "near_tie": tie,
             }

@@ -7,7 +7,7 @@ import pytest
 import torch
 from _models import tiny_target
 
-from sgl_ecospec.lab.greedy_check import compare_greedy, last_logits
+from sgl_ecospec.lab.greedy_check import compare_greedy, continuation_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = [[5, 17, 300, 42, 9], [100, 200, 300]]
@@ -19,15 +19,17 @@ def reference():
 
 
 def test_a_copy_decodes_identically(reference):
-    report = compare_greedy(reference, copy.deepcopy(reference), PROMPTS, 6)
+    lines = []
+    report = compare_greedy(reference, copy.deepcopy(reference), PROMPTS, 6, log=lines.append)
     assert report["identical"] == 2 and report["prompts"] == 2
+    assert lines == ["  prompt 0: identical", "  prompt 1: identical"]
     assert report["near_ties"] == report["divergences"] == 0 and report["differences"] == []
     assert report["max_logit_diff"] == 0.0
 
 
 def test_a_flipped_near_tie_is_told_from_a_divergence(reference):
     prompt = PROMPTS[0]
-    first, second = last_logits(reference, prompt).topk(2).indices.tolist()
+    first, second = continuation_logits(reference, prompt, [0])[0].topk(2).indices.tolist()
     # Both models see the first two candidates within 1e-5 of each other, in opposite order.
     tied, flipped = copy.deepcopy(reference), copy.deepcopy(reference)
     with torch.no_grad():

@@ -200,7 +200,7 @@ def check_greedy(full: Path, padded: Path, log: Callable[[str], None]) -> dict:
         AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         for path in (full, padded)
     ]
-    report = greedy_check.compare_greedy(*models, ids, BENCH_TOKENS)
+    report = greedy_check.compare_greedy(*models, ids, BENCH_TOKENS, log=log)
     report["seconds"] = round(time.perf_counter() - start, 1)
     log(
         f"[testbed] greedy check: {report['identical']} of {report['prompts']} identical, "
