@@ -1,8 +1,9 @@
 """The bandwidth-bound testbed variant (``testbed/bandwidth.py``) on a tiny Qwen2-MoE: the
 padded checkpoint computes the same logits and routing, its extra down-projection columns
 are zero, its config names the width, the build is deterministic, and the width gives the
-routed experts Qwen3-235B-A22B's share of a layer's reads."""
+routed experts Qwen3-235B-A22B's share of a layer's reads; ``testbed path --bandwidth``."""
 
+import argparse
 import json
 
 import pytest
@@ -11,7 +12,7 @@ from _models import tiny_target
 from safetensors import safe_open
 
 from sgl_ecospec.lab import numerics
-from sgl_ecospec.lab.testbed import bandwidth
+from sgl_ecospec.lab.testbed import bandwidth, command
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 # From the tiny target's 32: a partial repeat (transformers' grouped matmul needs rows of a
@@ -113,3 +114,16 @@ def test_invalid_widths_and_shares_are_refused():
         bandwidth.pad_expert("down", torch.zeros(8, 4), 3)
     with pytest.raises(ValueError, match="share must be in"):
         bandwidth.padded_width(bandwidth.QWEN3_235B_A22B, 1.0)
+
+
+def test_the_command_prints_the_variant_and_refuses_two_variants(monkeypatch, tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    command.add_parser(parser.add_subparsers(dest="command"))
+    monkeypatch.setattr(bandwidth, "build", lambda force: tmp_path)
+    args = parser.parse_args(["testbed", "path", "--bandwidth"])
+    assert args.run(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"target={tmp_path / 'target'}", f"draft={tmp_path / 'draft'}"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["testbed", "path", "--small", "--bandwidth"])
+    assert "not allowed with argument" in capsys.readouterr().err

@@ -53,16 +53,22 @@ def run(args: argparse.Namespace) -> int:
     force = getattr(args, "force", False)
     if args.bandwidth:
         out = bandwidth.build(force=force)
-        summary = build.read_info(out)  # width, routed shares, weights_sha256, seconds
     else:
         out = build.build(RECIPES["small" if args.small else "full"], force=force)
-        info = build.read_info(out)
-        summary = {k: info[k] for k in ("hash", "dense_perplexity", "moe_perplexity", "acceptance")}
-        summary["weights_sha256"] = info["weights_sha256"]
-        source = info["draft_source"]
-        summary["draft"] = f"shipped {source['shipped']}" if "shipped" in source else "trained"
     if args.action == "build":
-        print(json.dumps(summary, indent=2), file=sys.stderr, flush=True)
+        print(json.dumps(summary(out, args.bandwidth), indent=2), file=sys.stderr, flush=True)
     print(f"target={out / 'target'}")
     print(f"draft={out / 'draft'}")
     return 0
+
+
+def summary(out, bandwidth_variant: bool) -> dict:
+    """What ``testbed build`` prints of a build's ``build.json``: the bandwidth variant's in
+    full (width, routed shares, weights hash, greedy check), a recipe build's headline."""
+    info = build.read_info(out)
+    if bandwidth_variant:
+        return info
+    keys = ("hash", "dense_perplexity", "moe_perplexity", "acceptance", "weights_sha256")
+    source = info["draft_source"]
+    draft = f"shipped {source['shipped']}" if "shipped" in source else "trained"
+    return {**{key: info[key] for key in keys}, "draft": draft}
