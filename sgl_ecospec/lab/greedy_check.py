@@ -24,14 +24,13 @@ NEAR_TIE = 1e-3
 
 @torch.no_grad()
 def greedy(model: nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
-    """``new_tokens`` greedy tokens after ``prompt`` (a KV-cached ``generate``, no EOS stop)."""
+    """Up to ``new_tokens`` greedy tokens after ``prompt``, the end-of-sequence token
+    included when it comes first (a KV-cached ``generate``). Not forced past it: with EOS
+    suppressed the continuation is not the model's argmax, and the teacher-forced reading
+    would report that as a difference."""
     ids = torch.tensor([prompt])
     out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False
     )
     return out[0, len(prompt) :].tolist()
 
@@ -57,7 +56,7 @@ def compare_greedy(
     Args:
         reference, candidate: causal LMs (transformers ``generate`` and ``.logits``).
         prompts: token ids of each prompt.
-        new_tokens: tokens decoded per prompt.
+        new_tokens: tokens decoded per prompt (fewer where the reference ends first).
         near_tie: the logit gap below which a difference is a near-tie.
         log: receives one line per prompt.
 
