@@ -16,6 +16,11 @@
 #     server process, only because the device is the CPU and no GPU is present.
 # Speculative decoding on the CPU needs `--attention-backend triton`: added when a
 # --speculative-algorithm is given without an --attention-backend, refused with another one.
+# No CUDA graphs: `--disable-decode-cuda-graph` is added unless the decode graph is already
+# off (SGLang's default decode backend is `full` on the CPU too: a speculative server stops in
+# its capture with "Found no NVIDIA driver on your system", a plain one captures nothing;
+# the prefill graph is off on the CPU by default); a flag that asks for a graph or tunes its
+# capture is refused.
 # Pass small --max-total-tokens and --mem-fraction-static values (the CPU "memory pool" is
 # host RAM).
 # Threads: ECOSPEC_CPU_THREADS (default 1) OpenMP threads per server process.
@@ -30,7 +35,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 fi
 # SGLang's CPU default, torch_native, stops a speculative server deep in its startup ("EAGLE
 # is not supported in decode attention backend torch_native"): decide here, before any build.
-spec_algo='' attn_backend=''
+spec_algo='' attn_backend='' decode_graph_off='' graph_flag=''
 args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do
   case ${args[i]} in
@@ -38,8 +43,27 @@ for ((i = 0; i < ${#args[@]}; i++)); do
     --speculative-algorithm=*) spec_algo=${args[i]#*=} ;;
     --attention-backend) attn_backend=${args[i + 1]:-} ;;
     --attention-backend=*) attn_backend=${args[i]#*=} ;;
+    --disable-cuda-graph | --disable-decode-cuda-graph) decode_graph_off=1 ;;
+    # sglang 0.5.23's per-phase backends: only `disabled` agrees with the CPU.
+    --cuda-graph-backend-decode | --cuda-graph-backend-prefill)
+      if [ "${args[i + 1]:-}" = disabled ]; then
+        [ "${args[i]}" = --cuda-graph-backend-prefill ] || decode_graph_off=1
+      else
+        graph_flag="${args[i]} ${args[i + 1]:-}"
+      fi ;;
+    --cuda-graph-backend-decode=disabled) decode_graph_off=1 ;;
+    --cuda-graph-backend-prefill=disabled) ;;
+    # Every other flag that configures a graph's capture (its backend, batch sizes, JSON
+    # config, profiling, debugging) asks for something the CPU does not do.
+    --cuda-graph-* | --enable-profile-cuda-graph | --debug-cuda-graph | --enable-cudagraph-gc)
+      graph_flag=${args[i]} ;;
   esac
 done
+if [ -n "$graph_flag" ]; then
+  echo "[launch_cpu] error: $graph_flag asks for CUDA graphs, which the CPU development mode" \
+    "does not capture: drop it (the launcher disables the decode graph itself)" >&2
+  exit 2
+fi
 if [ -n "$spec_algo" ]; then
   if [ -z "$attn_backend" ]; then
     echo "[launch_cpu] adding --attention-backend triton: speculative decoding ($spec_algo)" \
@@ -50,6 +74,11 @@ if [ -n "$spec_algo" ]; then
       "triton attention backend, not $attn_backend: pass --attention-backend triton" >&2
     exit 2
   fi
+fi
+if [ -z "$decode_graph_off" ]; then
+  echo "[launch_cpu] adding --disable-decode-cuda-graph: no CUDA graphs on the CPU (SGLang's" \
+    "decode graph capture stops a speculative server with \"Found no NVIDIA driver\")" >&2
+  set -- "$@" --disable-decode-cuda-graph
 fi
 [ -x "$venv/bin/python" ] || {
   echo "[launch_cpu] error: no Python environment at $venv (run bash scripts/setup_env.sh)" >&2

@@ -20,14 +20,17 @@ predicting experts with a head trained by ``sgl-ecospec train-head``. Asserted:
    where speculation is slower than plain decoding, the gate decodes plainly after its first
    measurements, says so in the log and on /metrics;
 7. with ``SGLANG_ECOSPEC_CALIBRATE=on``: the server calibrates the cost model on this CPU at
-   startup (a tiny grid), logs the fit and prices with it, lossless.
+   startup (a tiny grid), logs the fit and prices with it, lossless;
+8. the README's CPU server command, with exactly its arguments (a free port for its port),
+   starts (the launcher adds what the CPU needs and says so) and answers.
 
-Servers are always shut down, even on failure. About 8 minutes on 2 cores. Select with
-``-m e2e``, skip with ``-m "not e2e"``.
+Servers are always shut down, even on failure. About 8 minutes on 2 cores, plus 86 s for 8.
+(2026-12-04, beside a testbed build). Select with ``-m e2e``, skip with ``-m "not e2e"``.
 """
 
 import json
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -73,6 +76,8 @@ SPEC_ARGS = [
     "--speculative-num-draft-tokens",
     "6",
 ]
+
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 if gpu_present():
     pytest.skip("the CPU development mode is for machines without a GPU", allow_module_level=True)
@@ -338,3 +343,28 @@ def test_ecospec_calibrates_its_cost_model_at_startup(
     assert "ECOSPEC calibration fit:" in text and "residuals: rms" in text
     assert re.search(r"ECOSPEC cost model: calibrated profile \S+/calibration/\S+\.json", text)
     assert "prior (fallback" not in text and "startup calibration failed" not in text
+
+
+def readme_cpu_server_args(target: Path, draft: Path) -> list[str]:
+    """The arguments of the README's ``bash scripts/launch_cpu.sh`` command, its ``$target``
+    and ``$draft`` set to the testbed's, without ``--host 127.0.0.1 --port P`` (LocalServer
+    passes them with a free loopback port)."""
+    command = re.search(
+        r"^bash scripts/launch_cpu\.sh (.*?[^\\])$", README.read_text(), re.S | re.M
+    )
+    assert command, "the README shows no `bash scripts/launch_cpu.sh` command"
+    names = {"$target": str(target), "$draft": str(draft)}
+    words = [names.get(word, word) for word in shlex.split(command[1].replace("\\\n", " "))]
+    host, port = words.index("--host"), words.index("--port")
+    assert words[host + 1] == "127.0.0.1" and words[port + 1].isdigit(), words
+    return [word for i, word in enumerate(words) if i not in {host, host + 1, port, port + 1}]
+
+
+def test_the_readme_cpu_server_starts_and_answers(models, prompts, logs):
+    args = readme_cpu_server_args(*models)
+    assert "--disable-cuda-graph" not in args  # what the launcher must add itself
+    outputs, info, _, text = serve(args, prompts[:1], logs / "readme.log")
+    assert info["speculative_algorithm"] == "ECOSPEC"
+    assert "[launch_cpu] adding --disable-decode-cuda-graph" in text
+    (output,) = outputs
+    assert output["output_ids"] and output["text"].strip(), output

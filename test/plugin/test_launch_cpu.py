@@ -41,15 +41,16 @@ def launch(tmp_path):
 
 
 SERVER = ["-m", "sglang.launch_server", "--device", "cpu"]
+NO_GRAPH = ["--disable-decode-cuda-graph"]
 
 
 @pytest.mark.parametrize(
     "spec", [["--speculative-algorithm", "ECOSPEC"], ["--speculative-algorithm=EAGLE3"]]
 )
 def test_speculative_decoding_gets_the_triton_backend(launch, spec):
-    code, argv, err = launch("--model-path", "m", *spec, "--max-total-tokens", "256")
+    code, argv, err = launch("--model-path", "m", *spec, "--max-total-tokens", "256", *NO_GRAPH)
     assert code == 0, err
-    tail = ["--model-path", "m", *spec, "--max-total-tokens", "256"]
+    tail = ["--model-path", "m", *spec, "--max-total-tokens", "256", *NO_GRAPH]
     assert argv == SERVER + tail + ["--attention-backend", "triton"]
     (line,) = err.splitlines()
     assert "adding --attention-backend triton" in line and "torch_native" in line
@@ -60,9 +61,52 @@ def test_speculative_decoding_gets_the_triton_backend(launch, spec):
 )
 def test_an_explicit_triton_backend_or_no_speculation_passes_unchanged(launch, backend):
     spec = ["--speculative-algorithm", "ECOSPEC"] if backend else []
-    code, argv, err = launch("--model-path", "m", *spec, *backend)
+    code, argv, err = launch("--model-path", "m", *spec, *backend, *NO_GRAPH)
     assert code == 0 and err == ""
-    assert argv == SERVER + ["--model-path", "m", *spec, *backend]
+    assert argv == SERVER + ["--model-path", "m", *spec, *backend, *NO_GRAPH]
+
+
+def test_the_decode_graph_is_disabled_and_said_once(launch):
+    spec = ["--speculative-algorithm", "ECOSPEC", "--attention-backend", "triton"]
+    code, argv, err = launch("--model-path", "m", *spec)
+    assert code == 0, err
+    assert argv == SERVER + ["--model-path", "m", *spec, *NO_GRAPH]
+    (line,) = err.splitlines()
+    assert "adding --disable-decode-cuda-graph" in line and "CUDA graphs" in line
+
+
+@pytest.mark.parametrize(
+    "off",
+    [
+        ["--disable-cuda-graph"],
+        ["--disable-decode-cuda-graph"],
+        ["--cuda-graph-backend-decode", "disabled"],
+        ["--cuda-graph-backend-decode=disabled", "--cuda-graph-backend-prefill=disabled"],
+        ["--cuda-graph-backend-prefill", "disabled", "--disable-cuda-graph"],
+    ],
+)
+def test_a_decode_graph_already_off_adds_nothing(launch, off):
+    code, argv, err = launch("--model-path", "m", *off)
+    assert code == 0 and err == ""
+    assert argv == SERVER + ["--model-path", "m", *off]
+
+
+@pytest.mark.parametrize(
+    "graph",
+    [
+        ["--cuda-graph-backend-decode", "full"],
+        ["--cuda-graph-backend-prefill=breakable"],
+        ["--cuda-graph-bs-decode", "1", "2"],
+        ["--cuda-graph-max-bs-decode", "8"],
+        ["--cuda-graph-config", '{"decode": {"backend": "disabled"}}'],
+        ["--enable-profile-cuda-graph"],
+        ["--debug-cuda-graph"],
+    ],
+)
+def test_a_flag_that_asks_for_graphs_is_refused(launch, graph):
+    code, argv, err = launch("--model-path", "m", *graph, "--disable-cuda-graph")
+    assert code == 2 and argv == []
+    assert "error" in err and graph[0].split("=")[0] in err and "CUDA graphs" in err
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,12 @@
-"""The ``sgl-ecospec testbed`` command: ``build``, ``path`` and ``train-draft``."""
+"""The ``sgl-ecospec testbed`` command: ``build``, ``path`` (full, ``--small`` or
+``--bandwidth``) and ``train-draft``."""
 
 import argparse
 import json
 import sys
 
 from sgl_ecospec.lab.command_line import add_command
-from sgl_ecospec.lab.testbed import build, train_shipped
+from sgl_ecospec.lab.testbed import bandwidth, build, train_shipped
 from sgl_ecospec.lab.testbed.recipe import RECIPES
 
 HELP = "build the MoE test model and its EAGLE-3 draft (cached)"
@@ -26,7 +27,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "path", help="print target=DIR and draft=DIR, building first if needed"
     )
     for sub in (build_cmd, path_cmd):
-        sub.add_argument("--small", action="store_true", help="the small CI variant (8 layers)")
+        variant = sub.add_mutually_exclusive_group()
+        variant.add_argument("--small", action="store_true", help="the small CI variant (8 layers)")
+        variant.add_argument(
+            "--bandwidth",
+            action="store_true",
+            help="the bandwidth-bound variant: the full testbed with its routed experts padded "
+            "to Qwen3-235B-A22B's share of a layer's weight bytes (minutes from a built full "
+            "testbed), with the full testbed's draft",
+        )
     train_cmd = actions.add_parser(
         "train-draft",
         help="train the full testbed's shipped draft (hours; resumable)",
@@ -41,15 +50,25 @@ def run(args: argparse.Namespace) -> int:
     """Runs ``testbed build`` / ``path`` / ``train-draft``; progress goes to stderr."""
     if args.action == "train-draft":
         return train_shipped.run(args)
-    recipe = RECIPES["small" if args.small else "full"]
-    out = build.build(recipe, force=getattr(args, "force", False))
+    force = getattr(args, "force", False)
+    if args.bandwidth:
+        out = bandwidth.build(force=force)
+    else:
+        out = build.build(RECIPES["small" if args.small else "full"], force=force)
     if args.action == "build":
-        info = build.read_info(out)
-        summary = {k: info[k] for k in ("hash", "dense_perplexity", "moe_perplexity", "acceptance")}
-        summary["weights_sha256"] = info["weights_sha256"]
-        source = info["draft_source"]
-        summary["draft"] = f"shipped {source['shipped']}" if "shipped" in source else "trained"
-        print(json.dumps(summary, indent=2), file=sys.stderr, flush=True)
+        print(json.dumps(summary(out, args.bandwidth), indent=2), file=sys.stderr, flush=True)
     print(f"target={out / 'target'}")
     print(f"draft={out / 'draft'}")
     return 0
+
+
+def summary(out, bandwidth_variant: bool) -> dict:
+    """What ``testbed build`` prints of a build's ``build.json``: the bandwidth variant's in
+    full (width, routed shares, weights hash, greedy check), a recipe build's headline."""
+    info = build.read_info(out)
+    if bandwidth_variant:
+        return info
+    keys = ("hash", "dense_perplexity", "moe_perplexity", "acceptance", "weights_sha256")
+    source = info["draft_source"]
+    draft = f"shipped {source['shipped']}" if "shipped" in source else "trained"
+    return {**{key: info[key] for key in keys}, "draft": draft}

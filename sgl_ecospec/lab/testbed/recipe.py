@@ -2,8 +2,9 @@
 
 A build is a pure function of (recipe, code, packaged assets), so the cache directory is
 named ``<variant>-<hash>`` where the hash covers the recipe's fields and the source of
-every module that shapes the output (this package and ``sgl_ecospec/models/eagle3.py``). Editing
-either gives a new directory; old ones are left for the user to delete.
+every module that shapes the output (this package but its command line and the bandwidth
+variant, which a build never runs, and ``sgl_ecospec/models/eagle3.py``). Editing either
+gives a new directory; old ones are left for the user to delete.
 """
 
 import dataclasses
@@ -16,7 +17,10 @@ from sgl_ecospec.lab.testbed.moefy import MoeSpec
 
 CACHE_ENV = "SGL_ECOSPEC_CACHE"
 _LAB = Path(__file__).parent.parent
-_SOURCES = sorted(Path(__file__).parent.glob("*.py")) + [
+# Modules of this package that no build of a recipe runs: editing them must not orphan the
+# cached builds (the bandwidth variant hashes its own source on top of the full build's).
+_NOT_BUILT = {"command.py", "bandwidth.py"}
+_SOURCES = sorted(p for p in Path(__file__).parent.glob("*.py") if p.name not in _NOT_BUILT) + [
     _LAB.parent / "models" / "eagle3.py",
     _LAB / "numerics.py",
 ]
