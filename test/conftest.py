@@ -34,3 +34,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """A reset dynamo around each test: every test compiles its own functions, so no cache
+    (or recompile limit) carries over. Modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("fresh_dynamo")``."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -53,23 +53,12 @@ NAME = "ECOSPEC"
 class EcoSpecAlgo(CustomSpecAlgo):
     """ECOSPEC as SGLang's scheduler and model runner see it: an EAGLE-3 algorithm."""
 
-    def is_eagle(self) -> bool:
+    def _yes(self) -> bool:
         return True
 
-    def is_eagle3(self) -> bool:
-        return True
-
-    def supports_mixed_chunk(self) -> bool:
-        return True
-
-    def supports_grammar_overlap(self) -> bool:
-        return True
-
-    def need_topk(self) -> bool:
-        return True
-
-    def carries_draft_hidden_states(self) -> bool:
-        return True
+    # The EAGLE3 answers: all yes.
+    is_eagle = is_eagle3 = need_topk = carries_draft_hidden_states = _yes
+    supports_mixed_chunk = supports_grammar_overlap = _yes
 
     def create_future_map(
         self, device, req_to_token_pool, needs_cpu_seq_lens=True, needs_confidence_relay=False

@@ -111,22 +111,17 @@ class EcoSpecRuntime:
         # None with one rank per batch: no broadcast, no check.
         self.tp_sync = tp_agreement.TpAgreement.for_group(group, interval=tp_check_interval)
         self.timer = metrics.PredictTimer(device)  # each draft step's prediction
+        # The draft tree and batch shape the tracker and the selector are both sized by.
+        shape = dict(
+            topk=topk, num_draft_tokens=num_draft_tokens, max_batch=max_batch, device=device
+        )
         self.acceptance = None  # setting calibrated_acceptance: used by the selector
         if settings.calibrated_acceptance:
-            self.acceptance = acceptance.AcceptanceTracker(
-                topk=topk,
-                num_steps=num_steps,
-                num_draft_tokens=num_draft_tokens,
-                max_batch=max_batch,
-                device=device,
-            )
+            self.acceptance = acceptance.AcceptanceTracker(num_steps=num_steps, **shape)
         self.selector = selection.EcoSpecSelector(
             settings,
             predictor,
-            topk=topk,
-            num_draft_tokens=num_draft_tokens,
-            max_batch=max_batch,
-            device=device,
+            **shape,
             placement=placement,
             eps_table=table,
             tp_sync=self.tp_sync,

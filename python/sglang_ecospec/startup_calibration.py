@@ -274,13 +274,14 @@ def _calibrate_once(
     waiting ranks."""
     failed = _failure_file(path)
     with _node_lock(path.with_suffix(".lock"), settings.calibrate_timeout):
-        profile = _load(path)
-        if profile is not None:
-            logger.info("ECOSPEC: reusing calibrated profile %s (%s)", path, profile.summary())
+        if _settled(
+            path,
+            failed,
+            started,
+            "reusing calibrated profile",
+            "another process's calibration of this key",
+        ):
             return path
-        error = _failure_since(failed, started)
-        if error is not None:
-            raise CalibrationFailed(f"another process's calibration of this key failed: {error}")
         try:
             _run(settings, served, path)
         except CalibrationFailed as exc:
@@ -337,19 +338,27 @@ def _run(settings: EcoSpecSettings, served: ServedModel, path: Path) -> None:
     logger.info("ECOSPEC calibration fit:\n%s", result.stdout.strip())
 
 
+def _settled(path: Path, failed: Path, started: float, found: str, calibrator: str) -> bool:
+    """True when ``path`` holds a usable profile (logged: ``found`` and it); CalibrationFailed
+    when ``calibrator`` recorded a failure in ``failed`` since ``started``; else False."""
+    profile = _load(path)
+    if profile is not None:
+        logger.info("ECOSPEC: %s %s (%s)", found, path, profile.summary())
+        return True
+    error = _failure_since(failed, started)
+    if error is not None:
+        raise CalibrationFailed(f"{calibrator} failed: {error}")
+    return False
+
+
 def _wait(path: Path, started: float, timeout: float) -> Path:
     """Waits for the node's leader to write ``path``, or to record a failure."""
     logger.info("ECOSPEC: waiting for this node's calibrating rank to write %s", path)
     failed = _failure_file(path)
     deadline = time.monotonic() + timeout
     while True:
-        profile = _load(path)
-        if profile is not None:
-            logger.info("ECOSPEC: calibrated profile %s (%s)", path, profile.summary())
+        if _settled(path, failed, started, "calibrated profile", "this node's calibrating rank"):
             return path
-        error = _failure_since(failed, started)
-        if error is not None:
-            raise CalibrationFailed(f"this node's calibrating rank failed: {error}")
         if time.monotonic() > deadline:
             raise CalibrationFailed(
                 f"no calibrated profile at {path} after {timeout:.0f} s of waiting for this "

@@ -25,6 +25,14 @@ def paged_pool(lengths, kv_heads, dim, dim_v, gen, spare=7):
     return k_buffer, v_buffer, kv_indptr, kv_indices
 
 
+def pool_and_queries(lengths, rows, heads, kv_heads, dim, seed):
+    """A generator seeded ``seed``, then drawn from it in this order: a :func:`paged_pool`
+    over ``lengths`` (keys and values ``dim`` wide) and ``rows`` queries [rows, heads, dim]."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = paged_pool(lengths, kv_heads, dim, dim, gen)
+    return gen, pool, torch.randn(rows, heads, dim, generator=gen)
+
+
 def tree_mask(prefix_lens, extend_lens, gen, prefix_density=1.0):
     """A FULL_MASK-layout custom mask (int8, flat) and its mask_indptr (int32 [B+1]): per
     request E rows of P + E cells; each new token sees itself and a random subset of the
@@ -61,10 +69,9 @@ DECODE_CASES = [
 
 def decode_inputs(case, seed=0):
     _, lengths, heads, kv_heads, dim, splits, options = case
-    gen = torch.Generator().manual_seed(seed)
-    k_buffer, v_buffer, kv_indptr, kv_indices = paged_pool(lengths, kv_heads, dim, dim, gen)
     batch = len(lengths)
-    q = torch.randn(batch, heads, dim, generator=gen)
+    gen, pool, q = pool_and_queries(lengths, batch, heads, kv_heads, dim, seed)
+    k_buffer, v_buffer, kv_indptr, kv_indices = pool
     num_kv_splits = torch.randint(1, splits + 1, (batch,), generator=gen, dtype=torch.int32)
     # one spare row: neither implementation may write past the batch
     attn_logits = torch.full((batch + 1, heads, splits, dim), 7.0)
@@ -143,10 +150,9 @@ def windowed_kwargs(options, heads, dim, gen):
 
 def extend_inputs(case, seed=0):
     _, prefix_lens, extend_lens, heads, kv_heads, dim, options = case
-    gen = torch.Generator().manual_seed(seed)
-    k_buffer, v_buffer, kv_indptr, kv_indices = paged_pool(prefix_lens, kv_heads, dim, dim, gen)
     tokens = sum(extend_lens)
-    q = torch.randn(tokens, heads, dim, generator=gen)
+    gen, pool, q = pool_and_queries(prefix_lens, tokens, heads, kv_heads, dim, seed)
+    k_buffer, v_buffer, kv_indptr, kv_indices = pool
     k = torch.randn(tokens, kv_heads, dim, generator=gen)
     v = torch.randn(tokens, kv_heads, dim, generator=gen)
     o = torch.full((tokens, heads, dim), 7.0)
@@ -199,11 +205,10 @@ UNIFIED_CASES = [
 
 def unified_inputs(case, seed=0):
     _, prefix_lens, extend_lens, heads, kv_heads, dim, options = case
-    gen = torch.Generator().manual_seed(seed)
     lengths = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
-    k_buffer, v_buffer, kv_indptr, kv_indices = paged_pool(lengths, kv_heads, dim, dim, gen)
     tokens = sum(extend_lens)
-    q = torch.randn(tokens, heads, dim, generator=gen)
+    gen, pool, q = pool_and_queries(lengths, tokens, heads, kv_heads, dim, seed)
+    k_buffer, v_buffer, kv_indptr, kv_indices = pool
     o = torch.full((tokens, heads, dim), 7.0)
     qo_indptr = torch.zeros(len(extend_lens) + 1, dtype=torch.int32)
     qo_indptr[1:] = torch.tensor(extend_lens).cumsum(0)
@@ -323,9 +328,7 @@ def test_extend_with_tree_mask_matches_a_per_query_softmax():
 
 def test_decode_uses_kernel_split_layout():
     # 70 keys in 3 splits: ceil(70 / 3) = 24, rounded up to 32 -> splits of 32, 32, 6 keys
-    gen = torch.Generator().manual_seed(1)
-    k_buffer, v_buffer, kv_indptr, kv_indices = paged_pool([70], 1, 16, 16, gen)
-    q = torch.randn(1, 1, 16, generator=gen)
+    _, (k_buffer, v_buffer, kv_indptr, kv_indices), q = pool_and_queries([70], 1, 1, 1, 16, 1)
     o = torch.empty(1, 1, 16)
     logits = torch.full((1, 1, 4, 16), 7.0)
     lse = torch.full((1, 1, 4), 7.0)

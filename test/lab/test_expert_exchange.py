@@ -19,10 +19,20 @@ from sgl_ecospec.predictors import OnlineExpertPredictor
 DEEPSEEK = get_model("deepseek-v3")
 
 
-def _exchange(profile=DEEPSEEK, prior=2.0, prior_experts=10.0):
-    return ExpertExchange(
-        num_experts=64, top_k=8, profile=profile, prior=prior, prior_experts=prior_experts
+def _exchange(profile=DEEPSEEK, prior=2.0, prior_experts=10.0, *, kind=ExpertExchange, **more):
+    """An ExpertExchange (or its subclass ``kind``) of 64 experts top-8 on ``profile``;
+    ``more``: its other keywords, or other ``num_experts`` and ``top_k``."""
+    return kind(
+        **{"num_experts": 64, "top_k": 8, **more},
+        profile=profile,
+        prior=prior,
+        prior_experts=prior_experts,
     )
+
+
+def _tiny_exchange(**more):
+    """The exchange of the tiny engine's experts (``_models``), prior 1 at 1 expert."""
+    return _exchange(prior=1.0, prior_experts=1.0, num_experts=EXPERTS, top_k=TOP_K, **more)
 
 
 def _step(*rows):
@@ -121,9 +131,7 @@ def test_the_engine_scales_its_layer_weights_by_the_measured_rate(engine):
     fixed = engine.generate_speculative(
         PROMPTS, MAX_NEW, spec, OnlineExpertPredictor(LAYERS, EXPERTS, TOP_K)
     )
-    exchange = ExpertExchange(
-        num_experts=EXPERTS, top_k=TOP_K, profile=DEEPSEEK, prior=1.0, prior_experts=1.0
-    )
+    exchange = _tiny_exchange()
     measured = engine.generate_speculative(
         PROMPTS, MAX_NEW, spec, OnlineExpertPredictor(LAYERS, EXPERTS, TOP_K), exchange=exchange
     )
@@ -146,15 +154,7 @@ def test_the_engine_scales_its_layer_weights_by_the_measured_rate(engine):
 def test_under_ep_the_experts_off_the_busiest_rank_get_their_own_price(total_weight):
     """EP 8 (8 experts per rank): the root reads experts 0-7 (all on rank 0), the candidate
     8-15 (all on rank 1): the busiest rank does not rise, the union does by 8."""
-    exchange = ExpertExchange(
-        num_experts=64,
-        top_k=8,
-        profile=DEEPSEEK,
-        prior=2.0,
-        prior_experts=10.0,
-        ep_size=8,
-        total_weight=total_weight,
-    )
+    exchange = _exchange(ep_size=8, total_weight=total_weight)
     configured = 1 / 8 if total_weight is None else total_weight
     assert exchange.prices() == pytest.approx((2.0, 2.0 * configured))
     exchange.update(*_step(list(range(8)), list(range(8, 16))))
@@ -174,9 +174,7 @@ def test_under_ep_the_experts_off_the_busiest_rank_get_their_own_price(total_wei
     assert options.total_weight == pytest.approx(min(max(others / busiest, 0.0), 1.0))
     assert extra["layer_weights"].tolist() == pytest.approx([busiest / 2.0] * 3)
     with pytest.raises(ValueError, match="divide 64"):
-        ExpertExchange(
-            num_experts=64, top_k=8, profile=DEEPSEEK, prior=1.0, prior_experts=1.0, ep_size=6
-        )
+        _exchange(prior=1.0, prior_experts=1.0, ep_size=6)
 
 
 def test_saturated_ranks_make_the_other_experts_cost():
@@ -184,18 +182,14 @@ def test_saturated_ranks_make_the_other_experts_cost():
     expert on another rank. The busiest rank does not rise, but the pricing keeps its share
     of a profile union that grows faster than the testbed's near saturation, so the other
     experts cost; with few experts loaded they cost next to nothing."""
-    exchange = ExpertExchange(
-        num_experts=64, top_k=8, profile=DEEPSEEK, prior=1.0, prior_experts=1e-9, ep_size=8
-    )
+    exchange = _exchange(prior=1.0, prior_experts=1e-9, ep_size=8)
     full = list(range(8)) + [r * 8 + j for r in range(1, 8) for j in range(4)]  # 36 experts
     roots = [full[i : i + 8] for i in range(0, 32, 8)] + [full[32:] + full[:4]] * 3
     candidates = [[r * 8 + 5, *range(7)] for r in range(1, 8)]
     routing = torch.tensor([[[root], [c]] for root, c in zip(roots, candidates, strict=True)])
     exchange.update(routing, torch.ones(7, 2, dtype=torch.bool))
     assert exchange.experts[0] == 0 and exchange.experts[1] == 7
-    roomy = ExpertExchange(
-        num_experts=64, top_k=8, profile=DEEPSEEK, prior=1.0, prior_experts=1e-9, ep_size=8
-    )
+    roomy = _exchange(prior=1.0, prior_experts=1e-9, ep_size=8)
     root = [[0, 1, 2, 8, 16, 24, 32, 40]] * 7  # rank 0 holds 3, the others 1 each
     candidates = [[r * 8 + 1, *root[0][:7]] for r in range(1, 8)]
     routing = torch.tensor([[[a], [c]] for a, c in zip(root, candidates, strict=True)])
@@ -232,15 +226,7 @@ def test_the_live_recall_measures_new_experts_at_the_exchange_s_total_weight(eng
         total_weight=0.0,
         recall_weighted_cost=True,
     )
-    exchange = FixedPrices(
-        num_experts=EXPERTS,
-        top_k=TOP_K,
-        profile=DEEPSEEK,
-        prior=1.0,
-        prior_experts=1.0,
-        ep_size=4,
-        total_weight=0.0,
-    )
+    exchange = _tiny_exchange(kind=FixedPrices, ep_size=4, total_weight=0.0)
     result = engine.generate_speculative(
         PROMPTS, 4, spec, OnlineExpertPredictor(LAYERS, EXPERTS, TOP_K), exchange=exchange
     )

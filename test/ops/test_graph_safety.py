@@ -28,12 +28,7 @@ BACKENDS = ["eager", "aot_eager"]
 CUDA = torch.device("cuda")
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    # Each test compiles its own functions: no cache (or recompile limit) carries over.
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def tree():

@@ -29,11 +29,7 @@ AFTER_VERIFY_OPS = 21
 ACCEPTANCE_OPS = 64
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def learnt_predictor():

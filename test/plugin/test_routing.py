@@ -7,6 +7,7 @@ import pytest
 import torch
 from sglang_ecospec import routing
 
+from plugin._helpers import MOE_CONFIGS
 from sgl_ecospec.predictors import OnlineExpertPredictor
 
 
@@ -21,14 +22,11 @@ def test_moe_layout_of_known_configs():
         decoder_sparse_step=1,
     )
     assert routing.moe_layout(qwen) == ([0, 2, 3, 4, 5], 64, 4)
+    # The plugin tests' DeepSeek-V3 config (64 routed experts, top-8), 5 layers, 3 dense.
     deepseek = SimpleNamespace(
-        num_hidden_layers=5,
-        n_routed_experts=256,
-        num_experts_per_tok=8,
-        first_k_dense_replace=3,
-        moe_layer_freq=1,
+        **{**MOE_CONFIGS["deepseek-v3"], "num_hidden_layers": 5, "first_k_dense_replace": 3}
     )
-    assert routing.moe_layout(deepseek) == ([3, 4], 256, 8)
+    assert routing.moe_layout(deepseek) == ([3, 4], 64, 8)
     with pytest.raises(ValueError, match="Mixture-of-Experts"):
         routing.moe_layout(SimpleNamespace(num_hidden_layers=2))
 

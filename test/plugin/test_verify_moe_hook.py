@@ -151,22 +151,18 @@ class TinyMoeModel(torch.nn.Module):
         return self.experts(hidden, topk_output)
 
 
-def build_layer(
-    *, num_experts=16, hidden=64, inter=32, top_k=4, dtype=torch.float32, seed=0, **kwargs
-):
-    """A real FusedMoE (random weights in SGLang's layout) inside a TinyMoeModel."""
+# The FusedMoE every test layer has (its constructor's keywords).
+LAYER_SHAPE = dict(num_experts=16, hidden_size=64, intermediate_size=32, top_k=4)
+
+
+def build_layer(*, dtype=torch.float32, seed=0, **kwargs):
+    """A real FusedMoE of ``LAYER_SHAPE`` (random weights in SGLang's layout; ``kwargs``:
+    more of its keywords) inside a TinyMoeModel."""
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
     from sglang.srt.layers.moe.topk import TopK
 
-    layer = FusedMoE(
-        num_experts=num_experts,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        layer_id=seed,
-        top_k=top_k,
-        params_dtype=dtype,
-        **kwargs,
-    )
+    layer = FusedMoE(**LAYER_SHAPE, layer_id=seed, params_dtype=dtype, **kwargs)
+    num_experts, hidden, inter, top_k = LAYER_SHAPE.values()
     gen = torch.Generator().manual_seed(seed)
     layer.w13_weight.data.copy_(torch.randn(layer.w13_weight.shape, generator=gen) / hidden**0.5)
     layer.w2_weight.data.copy_(torch.randn(layer.w2_weight.shape, generator=gen) / inter**0.5)
