@@ -37,6 +37,7 @@
 
 #include <cstdint>
 
+#include "selection_call.h"
 #include "selection_core.h"
 #include "selection_workspace.h"
 
@@ -50,23 +51,12 @@ namespace sgl_ecospec {
 constexpr unsigned kFullMask = 0xffffffffu;
 
 struct SelectArgs {
-  const double* prob;       // [B, N]
-  const int64_t* parents;   // [B, N]
-  const uint64_t* experts;  // [B, N, L, W]
-  const uint64_t* roots;    // [B, L, W] or nullptr
-  const double* weights;    // [L] or nullptr
-  const int64_t* rank;      // [L_r, E] (EP) or nullptr
+  SelectBuffers io;         // the call's inputs and output
+  SelectShape shape;        // B, N, L, W, budget
+  SelectOptions options;    // the checked scalars (policy, eps, step account, costs, floor)
+  Placement placement;      // the EP ranks ([L_r, E]), or disabled
   unsigned char* scratch;   // [blocks, global_bytes] or nullptr
-  int64_t* out;             // [B, budget]
-  int64_t batch, num_nodes, layers, words, budget;
   int64_t requests_per_block;  // B (share_buffer) or 1
-  Policy policy;
-  double eps, step_tokens, step_cost;
-  double min_score;  // nodes scoring below it are never taken
-  double candidate_cost, candidate_decay;  // a request's k-th candidate adds cost x decay^k
-  bool ep;
-  int64_t rank_layer_stride, num_experts, num_ranks;  // stride E ([L, E]) or 0 ([E])
-  double total_weight;
   WorkspaceLayout layout;
 };
 
@@ -124,11 +114,11 @@ struct TableLayer {
 
 __device__ __forceinline__ TableLayer table_layer(const SelectArgs& a, const Workspace& ws,
                                                   int64_t layer) {
-  return TableLayer{ws.ranks + layer * a.rank_layer_stride, a.num_experts};
+  return TableLayer{ws.ranks + layer * a.placement.layer_stride, a.placement.num_experts};
 }
 
 __device__ __forceinline__ bool needs_buffer(const SelectArgs& a) {
-  return a.policy != Policy::kConfidence;
+  return a.options.policy != Policy::kConfidence;
 }
 
 // One warp lists the available candidates of request k of the block (ascending) in
@@ -136,14 +126,14 @@ __device__ __forceinline__ bool needs_buffer(const SelectArgs& a) {
 __device__ void list_frontier(const SelectArgs& a, const Workspace& ws, int64_t first, int64_t k,
                               int64_t* frontier, int64_t* count) {
   const int lane = threadIdx.x % 32;
-  const int64_t n = a.num_nodes;
+  const int64_t n = a.shape.num_nodes;
   const double* prob = ws.prob + k * n;
   const uint8_t* selected = ws.selected + k * n;
   const int64_t* parents = ws.parents + k * n;
   int64_t seen = 0;
   for (int64_t base = 0; base < n; base += 32) {
     const int64_t i = base + lane;
-    const bool available = i < n && can_take(selected, parents, prob, i, n, a.min_score);
+    const bool available = i < n && can_take(selected, parents, prob, i, n, a.options.min_score);
     const unsigned mask = __ballot_sync(kFullMask, available);
     if (available) frontier[seen + __popc(mask & ((1u << lane) - 1))] = i;
     seen += __popc(mask);
@@ -154,47 +144,49 @@ __device__ void list_frontier(const SelectArgs& a, const Workspace& ws, int64_t 
 // Sets up the block's buffer (the union of its requests' roots, and with EP the loads and
 // peaks), parents, selected flags and the first frontier (list 0). Ends synchronised.
 __device__ void setup(const SelectArgs& a, const Workspace& ws, int64_t first, int64_t* counts) {
-  const int64_t group = a.requests_per_block, n = a.num_nodes;
-  const int64_t layers = a.layers, words = a.words, lw = layers * words;
+  const int64_t group = a.requests_per_block, n = a.shape.num_nodes;
+  const int64_t layers = a.shape.layers, words = a.shape.words, lw = layers * words;
   for (int64_t j = threadIdx.x; j < group * n; j += blockDim.x) {
-    ws.parents[j] = a.parents[first * n + j];
-    ws.prob[j] = a.prob[first * n + j];
+    ws.parents[j] = a.io.parents[first * n + j];
+    ws.prob[j] = a.io.prob[first * n + j];
     ws.selected[j] = 0;
   }
   for (int64_t k = threadIdx.x; k < group; k += blockDim.x) ws.taken[k] = 0;
   if (needs_buffer(a)) {
     for (int64_t j = threadIdx.x; j < lw; j += blockDim.x) {
       uint64_t word = 0;
-      for (int64_t k = 0; a.roots != nullptr && k < group; ++k) {
-        word |= a.roots[(first + k) * lw + j];
+      for (int64_t k = 0; a.io.roots != nullptr && k < group; ++k) {
+        word |= a.io.roots[(first + k) * lw + j];
       }
       ws.bitmaps[j] = word;
     }
   }
-  if (needs_buffer(a) && a.ep) {
-    const int64_t table = (a.rank_layer_stride == 0 ? 1 : layers) * a.num_experts;
+  if (needs_buffer(a) && a.placement.enabled) {
+    const int64_t table = (a.placement.layer_stride == 0 ? 1 : layers) * a.placement.num_experts;
     for (int64_t j = threadIdx.x; j < table; j += blockDim.x) {
-      const int64_t r = a.rank[j];  // rank_of's rule: ranks outside [0, R) count nowhere
-      ws.ranks[j] = r >= 0 && r < a.num_ranks ? static_cast<int32_t>(r) : -1;
+      const int64_t r = a.placement.rank[j];  // rank_of's rule: ranks outside [0, R) count nowhere
+      ws.ranks[j] = r >= 0 && r < a.placement.num_ranks ? static_cast<int32_t>(r) : -1;
     }
-    for (int64_t j = threadIdx.x; j < layers * a.num_ranks; j += blockDim.x) ws.loads[j] = 0;
+    const int64_t num_ranks = a.placement.num_ranks;
+    for (int64_t j = threadIdx.x; j < layers * num_ranks; j += blockDim.x) ws.loads[j] = 0;
   }
   __syncthreads();
   if (threadIdx.x < 32) list_frontier(a, ws, first, 0, ws.frontier, counts);
-  if (needs_buffer(a) && a.ep) {
+  if (needs_buffer(a) && a.placement.enabled) {
     // The loads of the seeded buffer: each of its experts counted once on its rank.
     for (int64_t j = threadIdx.x; j < lw; j += blockDim.x) {
       const int64_t layer = j / words;
       const TableLayer ranks = table_layer(a, ws, layer);
       for (uint64_t bits = ws.bitmaps[j]; bits != 0; bits &= bits - 1) {
         const int64_t r = ranks((j % words) * kBitsPerWord + lowest_bit(bits));
-        if (r >= 0) atomicAdd(ws.loads + layer * a.num_ranks + r, 1);
+        if (r >= 0) atomicAdd(ws.loads + layer * a.placement.num_ranks + r, 1);
       }
     }
     __syncthreads();
+    const int64_t num_ranks = a.placement.num_ranks;
     for (int64_t l = threadIdx.x; l < layers; l += blockDim.x) {
       int32_t peak = 0;
-      for (int64_t r = 0; r < a.num_ranks; ++r) peak = max(peak, ws.loads[l * a.num_ranks + r]);
+      for (int64_t r = 0; r < num_ranks; ++r) peak = max(peak, ws.loads[l * num_ranks + r]);
       ws.peaks[l] = peak;
     }
   }
@@ -213,11 +205,12 @@ __device__ __forceinline__ uint64_t warp_count(uint64_t mine) {
 // weight when there are weights (as delta_cost and missing_experts in selection_core.h).
 __device__ double layer_term(const SelectArgs& a, const Workspace& ws, const uint64_t* node,
                              int64_t l) {
-  const int64_t words = a.words;
+  const int64_t words = a.shape.words;
   double cost;
-  if (a.ep) {
-    cost = ep_layer_cost(table_layer(a, ws, l), a.total_weight, node + l * words,
-                         ws.bitmaps + l * words, words, ws.loads + l * a.num_ranks, ws.peaks[l]);
+  if (a.placement.enabled) {
+    cost = ep_layer_cost(table_layer(a, ws, l), a.placement.total_weight, node + l * words,
+                         ws.bitmaps + l * words, words, ws.loads + l * a.placement.num_ranks,
+                         ws.peaks[l]);
   } else {
     int64_t count = 0;
     for (int64_t w = 0; w < words; ++w) {
@@ -225,7 +218,7 @@ __device__ double layer_term(const SelectArgs& a, const Workspace& ws, const uin
     }
     cost = static_cast<double>(count);
   }
-  return a.weights == nullptr ? cost : mul_rn(a.weights[l], cost);
+  return a.io.weights == nullptr ? cost : mul_rn(a.io.weights[l], cost);
 }
 
 // Words each lane loads before it stores any, when a warp stages a candidate: all of a
@@ -238,7 +231,7 @@ constexpr int kStageLoads = 8;
 __device__ const uint64_t* stage_candidate(const SelectArgs& a, const Workspace& ws,
                                            const uint64_t* node) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t lw = a.layers * a.words;
+  const int64_t lw = a.shape.layers * a.shape.words;
   uint64_t* slot = ws.staged + warp * lw;
   __syncwarp();  // the slot's previous candidate is read by every lane before it is replaced
   for (int64_t base = 0; base < lw; base += 32 * kStageLoads) {
@@ -264,10 +257,10 @@ __device__ double warp_delta(const SelectArgs& a, const Workspace& ws,
                              const uint64_t* global_node) {
   const int lane = threadIdx.x % 32;
   const uint64_t* node = stage_candidate(a, ws, global_node);
-  if (!a.ep && a.weights == nullptr) {
+  if (!a.placement.enabled && a.io.weights == nullptr) {
     // An integer count: any order gives the same sum.
     uint64_t count = 0;
-    for (int64_t j = lane; j < a.layers * a.words; j += 32) {
+    for (int64_t j = lane; j < a.shape.layers * a.shape.words; j += 32) {
       count += popcount64(node[j] & ~ws.bitmaps[j]);
     }
     return static_cast<double>(warp_count(count));
@@ -275,9 +268,9 @@ __device__ double warp_delta(const SelectArgs& a, const Workspace& ws,
   // Float terms, summed in layer order: lane l % 32 computes layer l, and lane after lane
   // the non-zero terms join the running total (the same in every lane).
   double total = 0.0;
-  for (int64_t base = 0; base < a.layers; base += 32) {
+  for (int64_t base = 0; base < a.shape.layers; base += 32) {
     const int64_t l = base + lane;
-    const double term = l < a.layers ? layer_term(a, ws, node, l) : 0.0;
+    const double term = l < a.shape.layers ? layer_term(a, ws, node, l) : 0.0;
     for (unsigned nonzero = __ballot_sync(kFullMask, term != 0.0); nonzero != 0;
          nonzero &= nonzero - 1) {
       total = add_rn(total, __shfl_sync(kFullMask, term, __ffs(nonzero) - 1));
@@ -299,13 +292,14 @@ __device__ __forceinline__ void prefetch_l1(uintptr_t address) {
 __device__ void prefetch_frontier(const SelectArgs& a, const Workspace& ws, int64_t first,
                                   int64_t k, int64_t helper, int64_t helpers) {
   const int lane = threadIdx.x % 32;
-  const int64_t n = a.num_nodes, bytes = a.layers * a.words * 8;
+  const int64_t n = a.shape.num_nodes, lw = a.shape.layers * a.shape.words, bytes = lw * 8;
   for (int64_t i = helper; i < n; i += helpers) {
-    if (!can_take(ws.selected + k * n, ws.parents + k * n, ws.prob + k * n, i, n, a.min_score)) {
+    if (!can_take(ws.selected + k * n, ws.parents + k * n, ws.prob + k * n, i, n,
+                  a.options.min_score)) {
       continue;
     }
-    const uintptr_t start = reinterpret_cast<uintptr_t>(a.experts + ((first + k) * n + i) *
-                                                                        a.layers * a.words);
+    const uintptr_t start =
+        reinterpret_cast<uintptr_t>(a.io.experts + ((first + k) * n + i) * lw);
     const uintptr_t end = start + bytes;
     for (uintptr_t line = (start & ~uintptr_t{127}) + lane * 128; line < end; line += 32 * 128) {
       prefetch_l1(line);
@@ -324,21 +318,21 @@ __device__ bool take_turn(const SelectArgs& a, const Workspace& ws, int64_t firs
                           int64_t next, int parity, int64_t* counts, Best* slots, double* tokens,
                           double* cost) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t n = a.num_nodes, lw = a.layers * a.words, b = first + k;
+  const int64_t n = a.shape.num_nodes, lw = a.shape.layers * a.shape.words, b = first + k;
   const int64_t* list = ws.frontier + parity * n;
   int64_t* next_list = ws.frontier + (1 - parity) * n;
   const int64_t frontier = counts[parity];
   // The same multiplications, in the same order, as the CPU op's running price.
-  double price = a.candidate_cost;
-  for (int64_t j = 0; j < ws.taken[k]; ++j) price = mul_rn(price, a.candidate_decay);
-  const double eps = candidate_eps(a.eps, price);
+  double price = a.options.candidate_cost;
+  for (int64_t j = 0; j < ws.taken[k]; ++j) price = mul_rn(price, a.options.candidate_decay);
+  const double eps = candidate_eps(a.options.eps, price);
   // Phase 1: one warp per frontier candidate.
   Best mine{0.0, -1, 0.0};
   for (int64_t j = warp; j < frontier; j += kSelectWarps) {
     const int64_t i = list[j];
     const double delta =
-        needs_buffer(a) ? warp_delta(a, ws, a.experts + (b * n + i) * lw) : 0.0;
-    const double priority = node_priority(a.policy, ws.prob[k * n + i], delta, eps);
+        needs_buffer(a) ? warp_delta(a, ws, a.io.experts + (b * n + i) * lw) : 0.0;
+    const double priority = node_priority(a.options.policy, ws.prob[k * n + i], delta, eps);
     mine = better_of(mine, Best{priority, i, delta});
   }
   if (lane == 0) slots[warp] = mine;
@@ -359,7 +353,7 @@ __device__ bool take_turn(const SelectArgs& a, const Workspace& ws, int64_t firs
   best = Best{__shfl_sync(kFullMask, best.priority, 0), __shfl_sync(kFullMask, best.index, 0),
               __shfl_sync(kFullMask, best.delta, 0)};
   bool take = best.index >= 0;
-  if (take && a.policy == Policy::kAdaptive) {
+  if (take && a.options.policy == Policy::kAdaptive) {
     take = raises_throughput(best.priority, *tokens, *cost);
     if (take) {
       *tokens = add_rn(*tokens, ws.prob[k * n + best.index]);
@@ -376,23 +370,23 @@ __device__ bool take_turn(const SelectArgs& a, const Workspace& ws, int64_t firs
   } else if (take && needs_buffer(a)) {
     // The winner's experts enter the buffer: one thread per layer, so each layer's loads
     // and peak have one writer. Loads only grow, so the peak is a running max.
-    const uint64_t* node = a.experts + (b * n + best.index) * lw;
+    const uint64_t* node = a.io.experts + (b * n + best.index) * lw;
     const int64_t updaters = blockDim.x - 32;
-    for (int64_t l = static_cast<int64_t>(threadIdx.x) - 32; l < a.layers; l += updaters) {
-      int32_t peak = a.ep ? ws.peaks[l] : 0;
-      for (int64_t w = 0; w < a.words; ++w) {
-        const int64_t j = l * a.words + w;
+    for (int64_t l = static_cast<int64_t>(threadIdx.x) - 32; l < a.shape.layers; l += updaters) {
+      int32_t peak = a.placement.enabled ? ws.peaks[l] : 0;
+      for (int64_t w = 0; w < a.shape.words; ++w) {
+        const int64_t j = l * a.shape.words + w;
         const uint64_t old = ws.bitmaps[j];
-        if (a.ep) {
+        if (a.placement.enabled) {
           const TableLayer ranks = table_layer(a, ws, l);
           for (uint64_t fresh = node[j] & ~old; fresh != 0; fresh &= fresh - 1) {
             const int64_t r = ranks(w * kBitsPerWord + lowest_bit(fresh));
-            if (r >= 0) peak = max(peak, ++ws.loads[l * a.num_ranks + r]);
+            if (r >= 0) peak = max(peak, ++ws.loads[l * a.placement.num_ranks + r]);
           }
         }
         ws.bitmaps[j] = old | node[j];
       }
-      if (a.ep) ws.peaks[l] = peak;
+      if (a.placement.enabled) ws.peaks[l] = peak;
     }
   }
   __syncthreads();
@@ -402,19 +396,20 @@ __device__ bool take_turn(const SelectArgs& a, const Workspace& ws, int64_t firs
 // Writes each request's selected candidates ascending, then -1 padding (a warp per request).
 __device__ void write_rows(const SelectArgs& a, const Workspace& ws, int64_t first) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t n = a.num_nodes;
+  const int64_t n = a.shape.num_nodes;
   for (int64_t k = warp; k < a.requests_per_block; k += kSelectWarps) {
-    int64_t* row = a.out + (first + k) * a.budget;
+    int64_t* row = a.io.out + (first + k) * a.shape.budget;
     int64_t written = 0;
-    for (int64_t base = 0; base < n && written < a.budget; base += 32) {
+    for (int64_t base = 0; base < n && written < a.shape.budget; base += 32) {
       const int64_t i = base + lane;
       const bool chosen = i < n && ws.selected[k * n + i];
       const unsigned mask = __ballot_sync(kFullMask, chosen);
       const int64_t at = written + __popc(mask & ((1u << lane) - 1));
-      if (chosen && at < a.budget) row[at] = i;
+      if (chosen && at < a.shape.budget) row[at] = i;
       written += __popc(mask);
     }
-    for (int64_t at = (written < a.budget ? written : a.budget) + lane; at < a.budget; at += 32) {
+    const int64_t budget = a.shape.budget;
+    for (int64_t at = (written < budget ? written : budget) + lane; at < budget; at += 32) {
       row[at] = -1;
     }
   }
@@ -429,10 +424,10 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(SelectArgs a)
   const int64_t group = a.requests_per_block, first = blockIdx.x * group;
   setup(a, ws, first, frontier_counts);
   // The adaptive account: B x step_tokens and B x step_cost with one buffer for the batch.
-  double tokens = mul_rn(a.step_tokens, static_cast<double>(group));
-  double cost = mul_rn(a.step_cost, static_cast<double>(group));
+  double tokens = mul_rn(a.options.step_tokens, static_cast<double>(group));
+  double cost = mul_rn(a.options.step_cost, static_cast<double>(group));
   int parity = 0;
-  for (int64_t step = 0; step < a.budget; ++step) {
+  for (int64_t step = 0; step < a.shape.budget; ++step) {
     bool any = false;
     for (int64_t k = 0; k < group; ++k, parity ^= 1) {
       any |= take_turn(a, ws, first, k, (k + 1) % group, parity, frontier_counts, slots, &tokens,

@@ -27,22 +27,9 @@ inline SelectLaunch plan_select_call(const SelectShape& shape, const SelectOptio
 inline SelectArgs select_args(const SelectBuffers& io, unsigned char* scratch,
                               const SelectShape& shape, const SelectOptions& options,
                               const Placement& placement, const SelectLaunch& launch) {
-  SelectArgs a{};
-  a.prob = io.prob, a.parents = io.parents, a.experts = io.experts, a.roots = io.roots;
-  a.weights = io.weights, a.out = io.out;
-  a.rank = placement.enabled ? placement.rank : nullptr;
-  a.scratch = launch.layout.global_bytes > 0 ? scratch : nullptr;
-  a.batch = shape.batch, a.num_nodes = shape.num_nodes, a.budget = shape.budget;
-  a.layers = shape.layers, a.words = shape.words;
-  a.requests_per_block = launch.group;
-  a.policy = options.policy, a.eps = options.eps, a.min_score = options.min_score;
-  a.step_tokens = options.step_tokens, a.step_cost = options.step_cost;
-  a.candidate_cost = options.candidate_cost, a.candidate_decay = options.candidate_decay;
-  a.ep = placement.enabled, a.rank_layer_stride = placement.layer_stride;
-  a.num_experts = placement.num_experts, a.num_ranks = placement.num_ranks;
-  a.total_weight = placement.total_weight;
-  a.layout = launch.layout;
-  return a;
+  return SelectArgs{io, shape, options, placement,
+                    launch.layout.global_bytes > 0 ? scratch : nullptr, launch.group,
+                    launch.layout};
 }
 
 }  // namespace sgl_ecospec

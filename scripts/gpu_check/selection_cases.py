@@ -8,10 +8,10 @@ Shapes: topk 4, 3 draft steps -> N = 4 + 2 x 16 = 36 candidates per request; ndt
 EP over 8 ranks with SGLang's rank-major placement (rank r holds experts [r E/8, (r+1) E/8)).
 """
 
-import sys
 import tempfile
 from pathlib import Path
 
+import common
 import torch
 
 from sgl_ecospec import select_verify_set
@@ -19,7 +19,6 @@ from sgl_ecospec.synthetic import DraftTree, random_draft_tree
 
 SHAPES = {"qwen3-235b-a22b": (94, 128), "deepseek-v3": (58, 256)}
 TINY_SHAPES = {"tiny": (4, 70)}
-TEST_DIR = Path(__file__).resolve().parents[2] / "test"
 EXPERTS_PER_TOKEN = 8
 EP_RANKS = 8
 # The batch-shared selection at B = 64, ndt 8 must take at most this long (graph replay), or
@@ -94,10 +93,12 @@ class KernelUnderTest:
     def __init__(self, device: torch.device):
         self.device, self.emulation = device, None
         if device.type == "cpu":
-            sys.path.insert(0, str(TEST_DIR))
+            common.use_test_helpers()
             from _emulated import build, select_emulated
 
-            self.emulation = build(Path(tempfile.mkdtemp(prefix="gpu_check_emu_")))
+            # Removed with this object (the library stays loaded from memory).
+            self._folder = tempfile.TemporaryDirectory(prefix="gpu_check_emu_")
+            self.emulation = build(Path(self._folder.name))
             if self.emulation is None:
                 raise SystemExit("the dry run needs a C++ compiler for the CUDA emulation")
             self._select_emulated = select_emulated
