@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_ecospec.lab.serving import bench_serving
+from sgl_ecospec.lab.serving import bench_serving, report, server_memory
 from sgl_ecospec.lab.serving.local_server import (
     accept_length_between,
     ecospec_log_summary,
@@ -136,7 +136,7 @@ def test_sharegpt_file_is_what_sglang_reads(tmp_path):
 
 
 def test_table_marks_missing_values():
-    table = bench_serving.format_table(
+    table = report.format_table(
         [
             {"algorithm": "none", "concurrency": 1, "completed": 2, "output_throughput": 1.5},
             {
@@ -153,8 +153,8 @@ def test_table_marks_missing_values():
     )
     lines = table.splitlines()
     assert lines[0].split()[:3] == ["algorithm", "conc", "done"]
-    assert lines[1].split()[-4:] == ["-", "-", "-", "-"]
-    assert lines[2].split()[-3:] == ["1.400", "6.25", "0.500"]
+    assert lines[1].split()[-5:] == ["-", "-", "-", "-", "-"]
+    assert lines[2].split()[-4:] == ["1.400", "6.25", "0.500", "-"]
 
 
 def _record(algorithm, concurrency, tok_s, tpot, accept=None):
@@ -176,13 +176,13 @@ def _record(algorithm, concurrency, tok_s, tpot, accept=None):
 
 def test_rounds_report_medians_and_the_ratio_to_no_speculation():
     rounds = [_record("ecospec", 1, t, 1000 / t, 1.0) for t in (10.0, 30.0, 12.0)]
-    combined = bench_serving.combine(rounds)
+    combined = report.combine(rounds)
     assert combined["output_throughput"] == 12.0 and combined["accept_length"] == 1.0
     assert combined["completed"] == 24 and combined["wall_seconds"] == 30.0
     assert [r["output_throughput"] for r in combined["rounds"]] == [10.0, 30.0, 12.0]
     assert combined["experts_per_layer_step"] is None  # no value in any round
     runs = [_record("none", 1, 16.0, 60.0), combined, _record("eagle3", 4, 8.0, 90.0)]
-    bench_serving.add_speed_ratios(runs)
+    report.add_speed_ratios(runs)
     assert runs[0]["vs_none"] == 1.0 and runs[1]["vs_none"] == pytest.approx(0.75)
     assert runs[2]["vs_none"] is None  # no plain server at concurrency 4
 
@@ -236,3 +236,98 @@ def test_script_runs_servers_and_writes_table(tmp_path):
         <= config["num_experts"]
     )
     assert "ecospec" in done.stdout.splitlines()[-1]
+
+
+def test_outputs_are_compared_with_the_plain_server_per_round_and_request():
+    def phase(algorithm, texts, concurrency=2):
+        return {**_record(algorithm, concurrency, 10.0, 100.0), "generated_texts": texts}
+
+    measured = {
+        ("none", 2): [phase("none", ["ab", "cd"]), phase("none", ["ab", "cd"])],
+        ("ecospec", 2): [phase("ecospec", ["ab", "cd"]), phase("ecospec", ["ab", "cx y"])],
+        ("eagle3", 4): [phase("eagle3", ["ab"], concurrency=4)],  # no plain server at concurrency 4
+    }
+    runs = [report.combine(records) for records in measured.values()]
+    assert all("generated_texts" not in r for r in runs)
+    report.compare_outputs(runs, measured)
+    plain, ours, unmatched = runs
+    assert plain["same_outputs"] == "4/4" and "output_differences" not in plain
+    assert ours["same_outputs"] == "3/4"
+    assert ours["output_differences"] == [
+        {"round": 2, "request": 1, "at": 1, "ours": "x y", "plain": "d"}
+    ]
+    assert unmatched["same_outputs"] is None
+    assert report.format_table(runs).splitlines()[2].split()[-1] == "3/4"
+
+
+def test_servers_run_one_at_a_time_when_their_memory_does_not_fit(tmp_path, monkeypatch):
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    (target / "model.safetensors").write_bytes(b"\0" * 1000)
+    cfg = {
+        "model_path": str(target),
+        "draft_model_path": None,
+        "server_args": ["--dtype", "float32"],
+        "algorithms": ["none", "eagle3", "ecospec"],
+        "servers": "auto",
+        "cpu": True,
+    }
+    assert server_memory.served_weight_bytes(cfg) == 2000  # bf16 stored, served as fp32
+    overhead = server_memory.SERVER_OVERHEAD_BYTES
+    monkeypatch.setattr(server_memory, "_available_memory_bytes", lambda: 8 * overhead)
+    assert server_memory.resolve_server_mode(cfg) == "together"
+    monkeypatch.setattr(server_memory, "_available_memory_bytes", lambda: 3 * overhead)
+    logged = []
+    assert server_memory.resolve_server_mode(cfg, logged.append) == "one-at-a-time"
+    assert "3 servers need about" in logged[0]
+    assert server_memory.resolve_server_mode({**cfg, "cpu": False}, logged.append) == (
+        "one-at-a-time"
+    )
+    assert server_memory.resolve_server_mode({**cfg, "servers": "together"}) == "together"
+
+
+def test_predicted_tpot_prices_each_phase_by_its_steps_and_the_prefills_between_them():
+    from sgl_ecospec.costmodel import get_hardware, get_model
+    from sgl_ecospec.costmodel.performance import MoESDParams, PerformanceModel
+    from sgl_ecospec.lab.serving import predicted
+
+    model = get_model("qwen3-30b-a3b")  # 128 experts, top 8
+    params = MoESDParams(  # no compute terms: each step is bias + k2 x experts
+        bias=0.1, k1=0.0, k2=0.001, k3=0.0, lam=1.0, s=1.0,
+        draft_bias=0.01, draft_k=0.0, reject_bias=0.002, reject_k=0.0,
+    )  # fmt: skip
+    perf = PerformanceModel(model, get_hardware("h200"), params)
+    cfg = {"num_prompts": 4, "num_steps": 3, "num_draft_tokens": 5, "output_len": 10}
+
+    def phase(algorithm, concurrency, accept=None, experts=None):
+        return {
+            **_record(algorithm, concurrency, 10.0, 100.0, accept),
+            "experts_per_layer_step": experts,
+            "mean_input_len": 50.0,
+        }
+
+    # Concurrency = prompts: one wave, no prefill between decode steps.
+    assert predicted.predicted_tpot_ms(phase("none", 4), cfg, perf) == pytest.approx(
+        1000 * float(perf.ar_time(4))
+    )
+    spec = phase("ecospec", 4, accept=2.0, experts=20.0)
+    assert predicted.predicted_tpot_ms(spec, cfg, perf) == pytest.approx(
+        1000 * (3 * 0.01 + 0.1 + 0.001 * 20 + 0.002) / 2
+    )
+    # An ECOSPEC phase that decoded plainly (acceptance 1) is priced as none.
+    plain = phase("ecospec", 4, accept=1.0, experts=8.0)
+    assert predicted.predicted_tpot_ms(plain, cfg, perf) == pytest.approx(1000 * (0.1 + 0.008))
+    # Concurrency 2 of 4 prompts: 2 later starts stall 1 other request each, a prefill of 50
+    # tokens on every expert (0.1 + 0.128 s) spread over 4 requests' 9 decode intervals.
+    stall = (4 - 2) * (2 - 1) / 4 * (0.1 + 0.001 * 128) / 9
+    plain2 = phase("none", 2, experts=12.0)
+    assert predicted.predicted_tpot_ms(plain2, cfg, perf) == pytest.approx(
+        1000 * (0.1 + 0.012 + stall)
+    )
+    assert predicted.predicted_tpot_ms(phase("eagle3", 2), cfg, perf) is None  # no acceptance
+    runs = [plain2, phase("eagle3", 2)]
+    predicted.add_predictions(runs, cfg, perf)
+    assert runs[0]["tpot_error"] == pytest.approx(runs[0]["predicted_tpot_ms"] / 100.0 - 1)
+    assert runs[1]["predicted_tpot_ms"] is None and runs[1]["tpot_error"] is None
+    assert "pred ms" in report.format_table(runs).splitlines()[0]

@@ -26,7 +26,6 @@ import contextlib
 import json
 import shlex
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,27 +39,26 @@ from sgl_ecospec.lab.serving.local_server import (
     ecospec_log_summary,
     gpu_present,
 )
+from sgl_ecospec.lab.serving.predicted import add_predictions
+from sgl_ecospec.lab.serving.report import (
+    add_speed_ratios,
+    combine,
+    compare_outputs,
+    format_table,
+    plot_throughput,
+)
+from sgl_ecospec.lab.serving.server_memory import resolve_server_mode
 from sgl_ecospec.ops.selection import SelectionOptions
 
 ALGORITHMS = ("none", "eagle3", "ecospec-confidence", "ecospec")
 WARMUP_PROMPT = "Hello"
 DATASETS = ("mt-bench", "sharegpt")
+TESTBEDS = ("small", "full", "bandwidth")
+SERVER_MODES = ("auto", "together", "one-at-a-time")
 # What the CPU development mode needs (docs/sglang.md); the memory pool is host RAM.
 CPU_SERVER_ARGS = (
     "--dtype float32 --max-total-tokens 8192 --disable-cuda-graph --skip-server-warmup "
     "--attention-backend triton"
-)
-
-_COLUMNS = (
-    ("algorithm", 18, "algorithm", "{}"),
-    ("conc", 4, "concurrency", "{:d}"),
-    ("done", 4, "completed", "{:d}"),
-    ("tok/s", 8, "output_throughput", "{:.2f}"),
-    ("vs none", 7, "vs_none", "{:.3f}"),
-    ("TPOT ms", 9, "mean_tpot_ms", "{:.1f}"),
-    ("accept", 6, "accept_length", "{:.3f}"),
-    ("experts", 7, "experts_per_layer_step", "{:.2f}"),
-    ("recall", 6, "predictor_recall", "{:.3f}"),
 )
 
 
@@ -70,8 +68,34 @@ def build_parser() -> argparse.ArgumentParser:
         description="Throughput, TPOT, acceptance length and unique experts per verify step "
         "of SGLang servers without speculation, with EAGLE3 and with ECOSPEC.",
     )
-    parser.add_argument("--model-path", help="target model (default: the small testbed)")
+    parser.add_argument("--model-path", help="target model (default: --testbed's)")
     parser.add_argument("--draft-model-path", help="EAGLE-3 draft (default: the testbed's)")
+    parser.add_argument(
+        "--testbed",
+        choices=TESTBEDS,
+        default="small",
+        help="without --model-path: which testbed (built on first use); 'bandwidth' has "
+        "routed experts that weigh what Qwen3-235B-A22B's do (docs/testbed.md)",
+    )
+    parser.add_argument(
+        "--servers",
+        choices=SERVER_MODES,
+        default="auto",
+        help="'together': every algorithm's server up at once; 'one-at-a-time': each "
+        "started for its turn of each round; 'auto': together when their memory fits",
+    )
+    parser.add_argument("--plot", metavar="PNG", help="plot tok/s against concurrency")
+    parser.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="a calibration profile (sgl-ecospec calibrate --out FILE) of the served target on "
+        "this device: each phase's TPOT predicted next to the measured one",
+    )
+    parser.add_argument(
+        "--predict-from",
+        metavar="JSON",
+        help="with --profile: price the phases of an earlier run's --json file, start no server",
+    )
     parser.add_argument(
         "--algorithms",
         default=",".join(ALGORITHMS),
@@ -156,10 +180,24 @@ def validate(args: argparse.Namespace) -> dict:
         "server_args": shlex.split(server_args),
         "seed": args.seed,
         "rounds": args.rounds,
+        "servers": args.servers,
+        "testbed": args.testbed if args.model_path is None else None,
         "cpu": cpu,
         "model_path": args.model_path,
         "draft_model_path": args.draft_model_path,
     }
+
+
+def testbed_paths(testbed: str) -> tuple[str, str]:
+    """(target, draft) directories of a testbed, built first when not cached."""
+    if testbed == "bandwidth":
+        from sgl_ecospec.lab.testbed import bandwidth
+
+        out = bandwidth.build(force=False)
+        return str(out / "target"), str(out / "draft")
+    from sgl_ecospec.lab.config import testbed_models
+
+    return testbed_models(small=testbed == "small")
 
 
 def server_launch(cfg: dict, algorithm: str) -> tuple[list[str], dict]:
@@ -245,6 +283,7 @@ def run_client(cfg: dict, server: LocalServer, dataset_file: Path, concurrency: 
         "--output-file",
         str(out),
         "--disable-tqdm",
+        "--output-details",  # the generated texts, compared with the plain server's
         # run() warms the server up before it marks the log: bench_serving's own warmup
         # request would land inside the measured window (a batch of one at any concurrency).
         "--warmup-requests",
@@ -257,25 +296,6 @@ def run_client(cfg: dict, server: LocalServer, dataset_file: Path, concurrency: 
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
         raise RuntimeError(f"sglang.bench_serving failed ({done.returncode}):\n{tail}")
     return json.loads(out.read_text().strip().splitlines()[-1])
-
-
-def format_table(runs: list[dict]) -> str:
-    def cell(run, key, fmt):
-        value = run.get(key)
-        return "-" if value is None else fmt.format(value)
-
-    lines = [
-        " ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w, _, _) in enumerate(_COLUMNS))
-    ]
-    for run in runs:
-        cells = [cell(run, key, fmt) for _, _, key, fmt in _COLUMNS]
-        lines.append(
-            " ".join(
-                c.ljust(w) if i == 0 else c.rjust(w)
-                for i, (c, (_, w, _, _)) in enumerate(zip(cells, _COLUMNS, strict=True))
-            )
-        )
-    return "\n".join(lines)
 
 
 def measure(cfg: dict, server: LocalServer, algorithm: str, concurrency: int, dataset_file, out):
@@ -298,59 +318,37 @@ def measure(cfg: dict, server: LocalServer, algorithm: str, concurrency: int, da
         "mean_tpot_ms": result.get("mean_tpot_ms"),
         "median_tpot_ms": result.get("median_tpot_ms"),
         "mean_ttft_ms": result.get("mean_ttft_ms"),
+        "mean_input_len": (result.get("total_input_tokens") or 0) / max(1, result["completed"]),
         "accept_length": accept,
         "experts_per_layer_step": stats["experts_per_layer_step"],
         "predictor_recall": stats["predictor_recall"],
         "verify_steps_logged": stats["verify_steps"],
         "wall_seconds": time.monotonic() - t0,
+        "generated_texts": result.get("generated_texts"),
     }
 
 
-MEDIAN_KEYS = (
-    "output_throughput",
-    "mean_tpot_ms",
-    "median_tpot_ms",
-    "mean_ttft_ms",
-    "accept_length",
-    "experts_per_layer_step",
-    "predictor_recall",
-)
-
-
-def combine(records: list[dict]) -> dict:
-    """One (algorithm, concurrency)'s record over its rounds: the median of each figure (the
-    machine's speed drifts between rounds; every algorithm saw each round), the rounds'
-    own figures under ``rounds``."""
-    combined = dict(records[0])
-    for key in MEDIAN_KEYS:
-        values = [r[key] for r in records if r[key] is not None]
-        combined[key] = statistics.median(values) if values else None
-    combined["completed"] = sum(r["completed"] or 0 for r in records)
-    combined["verify_steps_logged"] = sum(r["verify_steps_logged"] for r in records)
-    combined["wall_seconds"] = sum(r["wall_seconds"] for r in records)
-    combined["rounds"] = [
-        {k: r[k] for k in ("output_throughput", "mean_tpot_ms", "mean_ttft_ms")} for r in records
-    ]
-    return combined
-
-
-def add_speed_ratios(runs: list[dict]) -> None:
-    """Sets each record's ``vs_none``: its output throughput over the server without
-    speculation's at the same concurrency (when that server ran)."""
-    plain = {r["concurrency"]: r["output_throughput"] for r in runs if r["algorithm"] == "none"}
-    for record in runs:
-        base = plain.get(record["concurrency"])
-        ours = record["output_throughput"]
-        record["vs_none"] = ours / base if base and ours is not None else None
+@contextlib.contextmanager
+def started_server(cfg: dict, work: Path, algorithm: str, log_name: str, log=print):
+    """One algorithm's server, up until the block ends (stopped even on errors)."""
+    args, env = server_launch(cfg, algorithm)
+    mode = "CPU mode" if cfg["cpu"] else "GPU"
+    log(f"[bench_serving] {algorithm}: starting server ({mode})")
+    start = time.monotonic()
+    with LocalServer(args, work / log_name, env=env, cpu=cfg["cpu"]) as server:
+        log(f"[bench_serving] {algorithm}: ready after {time.monotonic() - start:.0f} s")
+        yield server
 
 
 def run(cfg: dict, work: Path, log=print) -> list[dict]:
     """Every algorithm at every concurrency, ``cfg["rounds"]`` times over; one record per
-    (algorithm, concurrency) (:func:`combine`).
+    (algorithm, concurrency) (:func:`combine`), its outputs compared with the plain server's.
 
-    All servers start first and sleep while idle (``--sleep-on-idle``: an idle scheduler
-    otherwise spins a core); each round then measures every algorithm in turn, so a drift of
-    the machine's speed reaches every algorithm alike."""
+    Each round measures every algorithm in turn, so a drift of the machine's speed reaches
+    every algorithm alike. With ``cfg["servers"] == "together"`` all servers start first and
+    sleep while idle (``--sleep-on-idle``: an idle scheduler otherwise spins a core);
+    with "one-at-a-time" each algorithm's server starts for its turn of each round and stops
+    after it (models of which only one copy fits in memory)."""
     dataset_file = work / f"{cfg['dataset']}.json"
     from transformers import AutoTokenizer
 
@@ -359,44 +357,77 @@ def run(cfg: dict, work: Path, log=print) -> list[dict]:
     measured: dict[tuple[str, int], list[dict]] = {}
     with contextlib.ExitStack() as servers_up:
         servers = {}
-        for algorithm in cfg["algorithms"]:
-            args, env = server_launch(cfg, algorithm)
-            mode = "CPU mode" if cfg["cpu"] else "GPU"
-            log(f"[bench_serving] {algorithm}: starting server ({mode})")
-            start = time.monotonic()
-            server = LocalServer(args, work / f"server-{algorithm}.log", env=env, cpu=cfg["cpu"])
-            servers[algorithm] = servers_up.enter_context(server)
-            log(f"[bench_serving] {algorithm}: ready after {time.monotonic() - start:.0f} s")
+        if cfg["servers"] == "together":
+            for algorithm in cfg["algorithms"]:
+                server = started_server(cfg, work, algorithm, f"server-{algorithm}.log", log)
+                servers[algorithm] = servers_up.enter_context(server)
         for round_ in range(1, cfg["rounds"] + 1):
-            for algorithm, server in servers.items():
-                for concurrency in cfg["concurrency"]:
-                    out = work / f"client-{algorithm}-c{concurrency}-r{round_}.jsonl"
-                    record = measure(cfg, server, algorithm, concurrency, dataset_file, out)
-                    measured.setdefault((algorithm, concurrency), []).append(record)
-                    log(
-                        f"[bench_serving] round {round_}/{cfg['rounds']} {algorithm} "
-                        f"c={concurrency}: {record['output_throughput']:.2f} tok/s "
-                        f"({record['wall_seconds']:.0f} s)"
-                    )
+            for algorithm in cfg["algorithms"]:
+                if algorithm in servers:
+                    turn = contextlib.nullcontext(servers[algorithm])
+                else:
+                    name = f"server-{algorithm}-r{round_}.log"
+                    turn = started_server(cfg, work, algorithm, name, log)
+                with turn as server:
+                    for concurrency in cfg["concurrency"]:
+                        out = work / f"client-{algorithm}-c{concurrency}-r{round_}.jsonl"
+                        record = measure(cfg, server, algorithm, concurrency, dataset_file, out)
+                        measured.setdefault((algorithm, concurrency), []).append(record)
+                        log(
+                            f"[bench_serving] round {round_}/{cfg['rounds']} {algorithm} "
+                            f"c={concurrency}: {record['output_throughput']:.2f} tok/s "
+                            f"({record['wall_seconds']:.0f} s)"
+                        )
     runs = [combine(records) for records in measured.values()]
     add_speed_ratios(runs)
+    compare_outputs(runs, measured)
     return runs
+
+
+def load_profile(path: str):
+    """The calibration profile's fitted model; ValueError (a message for the operator) on a
+    bad file."""
+    from sgl_ecospec.costmodel.calibration import CalibrationFileError, CalibrationProfile
+
+    try:
+        return CalibrationProfile.load(path).performance_model()
+    except CalibrationFileError as exc:
+        raise ValueError(f"--profile: {exc}") from None
+
+
+def predict_from(json_path: str, profile: str) -> int:
+    """``--predict-from``: an earlier run's phases priced by ``profile``, the table printed."""
+    try:
+        perf = load_profile(profile)
+        data = json.loads(Path(json_path).read_text())
+        cfg, runs = data["config"], data["runs"]
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"bench_serving: error: {exc}", file=sys.stderr)
+        return 2
+    add_predictions(runs, cfg, perf)
+    print(format_table(runs))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.predict_from:
+        if not args.profile:
+            print("bench_serving: error: --predict-from needs --profile FILE", file=sys.stderr)
+            return 2
+        return predict_from(args.predict_from, args.profile)
     # SIGTERM unwinds like Ctrl-C, so every started server is stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         cfg = validate(args)
         if cfg["model_path"] is None:
-            from sgl_ecospec.lab.config import testbed_models
-
-            print("[bench_serving] using the small testbed (built on first use)", flush=True)
-            cfg["model_path"], cfg["draft_model_path"] = testbed_models(small=True)
+            print(f"[bench_serving] using the {cfg['testbed']} testbed (built on first use)")
+            cfg["model_path"], cfg["draft_model_path"] = testbed_paths(cfg["testbed"])
         for key in ("model_path", "draft_model_path"):
             if cfg[key] is not None and not Path(cfg[key]).exists():
                 raise FileNotFoundError(f"--{key.replace('_', '-')} {cfg[key]!r} does not exist")
+        cfg["servers"] = resolve_server_mode(cfg, print)
+        perf = load_profile(args.profile) if args.profile else None
     except (ValueError, FileNotFoundError) as exc:
         print(f"bench_serving: error: {exc}", file=sys.stderr)
         return 2
@@ -408,8 +439,14 @@ def main(argv: list[str] | None = None) -> int:
         except (ServerError, RuntimeError) as exc:
             print(f"bench_serving: error: {exc}", file=sys.stderr)
             return 1
+    if perf is not None:
+        add_predictions(runs, cfg, perf)
     print()
     print(format_table(runs))
+    if args.plot:
+        name = Path(cfg["model_path"]).parent.name + "/" + Path(cfg["model_path"]).name
+        plot_throughput(runs, Path(args.plot), f"sglang.bench_serving, {name}")
+        print(f"[bench_serving] plot: {args.plot}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"config": cfg, "runs": runs}, indent=2) + "\n")

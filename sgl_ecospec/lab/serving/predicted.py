@@ -1,0 +1,73 @@
+"""The serving benchmark's phases priced by a calibrated cost model: predicted TPOT next to
+the measured one (``bench_serving --profile FILE``, docs/costmodel.md, "Checked against
+the server").
+
+A phase at concurrency c keeps ``B = min(c, prompts)`` requests in flight. Its decode step:
+
+- none: one target forward of B tokens, ``ar_time(B, U)``;
+- speculative (eagle3, ecospec-confidence, ecospec): ``num_steps`` draft forwards (SGLang's
+  EAGLE worker runs ``num_steps - 1`` in the draft loop and one draft extend after the
+  verify), the verify of ``B x num_draft_tokens`` tokens and the accept step, divided by
+  the measured acceptance length (tokens per request per step). An ECOSPEC phase whose
+  acceptance length is 1 decoded plainly (the utility gate): priced as none.
+
+U, the distinct experts per MoE layer of the step, is the phase's logged
+``experts_per_layer_step`` where the server logged it (ECOSPEC), else the model's
+uniform-routing expectation N(tokens).
+
+TPOT (``sglang.bench_serving``'s mean time per output token after the first) also holds the
+prefills of requests that start while a request decodes: the server runs them between its
+decode steps. Each of the ``prompts - c`` requests that start after the first wave stalls
+the ``c - 1`` others for one prefill of the mean prompt length (a target forward of that
+many tokens, all experts), spread over the ``prompts`` requests' ``output_len - 1``
+decode intervals.
+"""
+
+from sgl_ecospec.costmodel.performance import PerformanceModel
+
+SPECULATIVE = ("eagle3", "ecospec-confidence", "ecospec")
+
+
+def predicted_step_seconds(record: dict, cfg: dict, perf: PerformanceModel) -> float:
+    """Seconds of one decode step of the phase ``record`` (module docstring)."""
+    batch = min(record["concurrency"], cfg["num_prompts"])
+    accept = record.get("accept_length")
+    speculating = record["algorithm"] in SPECULATIVE and accept is not None and accept > 1.0
+    experts = record.get("experts_per_layer_step")
+    if not speculating:
+        return float(perf.ar_time(batch, experts))
+    gamma = cfg["num_draft_tokens"]
+    return float(
+        cfg["num_steps"] * perf.draft_time(batch)
+        + perf.verify_time(batch, gamma, experts)
+        + perf.reject_time(batch)
+    )
+
+
+def predicted_tpot_ms(record: dict, cfg: dict, perf: PerformanceModel) -> float | None:
+    """The phase's predicted mean TPOT in ms (module docstring); None without an acceptance
+    length for a speculative phase or a prompt length."""
+    accept = record.get("accept_length") or 1.0
+    if record["algorithm"] in SPECULATIVE and record.get("accept_length") is None:
+        return None
+    prompt_len = record.get("mean_input_len")
+    if prompt_len is None:
+        return None
+    prompts, concurrency = cfg["num_prompts"], min(record["concurrency"], cfg["num_prompts"])
+    decode = predicted_step_seconds(record, cfg, perf) / max(accept, 1.0)
+    stalls_per_request = (prompts - concurrency) * (concurrency - 1) / prompts
+    prefill = float(perf.verify_time(1, max(1, round(prompt_len)), perf.model.num_experts))
+    tpot = decode + stalls_per_request * prefill / max(1, cfg["output_len"] - 1)
+    return 1000.0 * tpot
+
+
+def add_predictions(runs: list[dict], cfg: dict, perf: PerformanceModel) -> None:
+    """Sets each record's ``predicted_tpot_ms`` and ``tpot_error`` ((predicted - measured)
+    / measured; None where either is missing)."""
+    for record in runs:
+        predicted = predicted_tpot_ms(record, cfg, perf)
+        measured = record.get("mean_tpot_ms")
+        record["predicted_tpot_ms"] = predicted
+        record["tpot_error"] = (
+            (predicted - measured) / measured if predicted is not None and measured else None
+        )
