@@ -39,6 +39,9 @@ def test_defaults_cover_every_algorithm_and_two_concurrencies():
         (["--rounds", "0"], "--rounds must be >= 1"),
         (["--eps", "0"], "--eps must be finite and > 0"),
         (["--model-path", "/m"], "both --model-path and --draft-model-path"),
+        (["--ecospec-setting", "policy"], "NAME=VALUE"),
+        (["--ecospec-setting", "gate=0", "--ecospec-setting", "GATE=1"], "twice"),
+        (["--eps", "0.1", "--ecospec-setting", "eps=auto"], "eps given twice"),
     ],
 )
 def test_invalid_arguments_fail_before_any_server(argv, message):
@@ -66,11 +69,19 @@ def test_server_launch_lines():
     assert "--decode-log-interval" not in args  # SGLang's default on every server alike
     assert args[args.index("--speculative-draft-model-path") + 1] == "/d"
     assert env == {}
-    for algorithm, policy in (("ecospec", "ecospec"), ("ecospec-confidence", "confidence")):
+    for algorithm, policy in (("ecospec", None), ("ecospec-confidence", "confidence")):
         args, env = bench_serving.server_launch(cfg, algorithm)
         assert args[args.index("--speculative-algorithm") + 1] == "ECOSPEC"
-        assert env["SGLANG_ECOSPEC_POLICY"] == policy
+        assert env.get("SGLANG_ECOSPEC_POLICY") == policy  # ecospec: the server's default
         assert "SGLANG_ECOSPEC_EPS" not in env
+    cfg = _cfg(
+        "--model-path", "/m", "--draft-model-path", "/d",
+        "--ecospec-setting", "policy=adaptive", "--ecospec-setting", "EPS=auto",
+    )  # fmt: skip
+    assert bench_serving.server_launch(cfg, "ecospec")[1]["SGLANG_ECOSPEC_POLICY"] == "adaptive"
+    assert bench_serving.server_launch(cfg, "ecospec")[1]["SGLANG_ECOSPEC_EPS"] == "auto"
+    _, env = bench_serving.server_launch(cfg, "ecospec-confidence")
+    assert env["SGLANG_ECOSPEC_POLICY"] == "confidence" and "SGLANG_ECOSPEC_EPS" not in env
 
 
 def test_log_summary_weights_lines_by_steps():
@@ -315,15 +326,18 @@ def test_predicted_tpot_prices_each_phase_by_its_steps_and_the_prefills_between_
     assert predicted.predicted_tpot_ms(spec, cfg, perf) == pytest.approx(
         1000 * (3 * 0.01 + 0.1 + 0.001 * 20 + 0.002) / 2
     )
-    # An ECOSPEC phase that decoded plainly (acceptance 1) is priced as none.
-    plain = phase("ecospec", 4, accept=1.0, experts=8.0)
-    assert predicted.predicted_tpot_ms(plain, cfg, perf) == pytest.approx(1000 * (0.1 + 0.008))
+    # An ECOSPEC phase that decoded plainly but for a few probes is priced as none (its
+    # logged experts are the probes').
+    plain = phase("ecospec", 4, accept=1.004, experts=22.0)
+    assert predicted.predicted_tpot_ms(plain, cfg, perf) == pytest.approx(
+        1000 * float(perf.ar_time(4))
+    )
     # Concurrency 2 of 4 prompts: 2 later starts stall 1 other request each, a prefill of 50
     # tokens on every expert (0.1 + 0.128 s) spread over 4 requests' 9 decode intervals.
     stall = (4 - 2) * (2 - 1) / 4 * (0.1 + 0.001 * 128) / 9
-    plain2 = phase("none", 2, experts=12.0)
+    plain2 = phase("none", 2)
     assert predicted.predicted_tpot_ms(plain2, cfg, perf) == pytest.approx(
-        1000 * (0.1 + 0.012 + stall)
+        1000 * (float(perf.ar_time(2)) + stall)
     )
     assert predicted.predicted_tpot_ms(phase("eagle3", 2), cfg, perf) is None  # no acceptance
     runs = [plain2, phase("eagle3", 2)]

@@ -112,6 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--eps", type=float, help="EcoSpec eps (SGLANG_ECOSPEC_EPS)")
     parser.add_argument(
+        "--ecospec-setting",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an EcoSpec setting of the ECOSPEC servers (SGLANG_ECOSPEC_<NAME>, docs/sglang.md, "
+        "'Settings'; the server checks it at startup), e.g. policy=adaptive; repeatable",
+    )
+    parser.add_argument(
         "--server-args",
         default=None,
         help=f"extra server flags (default on CPU: {CPU_SERVER_ARGS!r})",
@@ -139,6 +147,21 @@ def _ints(text: str, flag: str) -> list[int]:
     return values
 
 
+def _settings(pairs: list[str]) -> dict[str, str]:
+    """``--ecospec-setting NAME=VALUE`` flags as {name: value}; ValueError on a malformed one
+    (the names and values are the server's to check)."""
+    settings = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        name = name.strip().lower()
+        if not sep or not name or not name.replace("_", "").isalnum():
+            raise ValueError(f"--ecospec-setting must be NAME=VALUE, got {pair!r}")
+        if name in settings:
+            raise ValueError(f"--ecospec-setting sets {name!r} twice")
+        settings[name] = value.strip()
+    return settings
+
+
 def validate(args: argparse.Namespace) -> dict:
     """The run's configuration; ValueError on invalid arguments (before any server starts)."""
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
@@ -163,6 +186,9 @@ def validate(args: argparse.Namespace) -> dict:
         a != "none" for a in algorithms
     ):
         raise ValueError("give both --model-path and --draft-model-path, or neither (testbed)")
+    settings = _settings(args.ecospec_setting)
+    if args.eps is not None and "eps" in settings:
+        raise ValueError("eps given twice: --eps and --ecospec-setting eps=")
     cpu = not gpu_present()
     server_args = args.server_args
     if server_args is None:
@@ -177,6 +203,7 @@ def validate(args: argparse.Namespace) -> dict:
         "topk": args.topk,
         "num_draft_tokens": args.num_draft_tokens,
         "eps": args.eps,
+        "ecospec_settings": settings,
         "server_args": shlex.split(server_args),
         "seed": args.seed,
         "rounds": args.rounds,
@@ -222,14 +249,15 @@ def server_launch(cfg: dict, algorithm: str) -> tuple[list[str], dict]:
             str(cfg["num_draft_tokens"]),
         ]
     if algorithm.startswith("ecospec"):
-        env["SGLANG_ECOSPEC_POLICY"] = (
-            "confidence" if algorithm == "ecospec-confidence" else "ecospec"
-        )
         env["SGLANG_ECOSPEC_LOG_INTERVAL"] = "4"
-        if algorithm == "ecospec-confidence":  # measures EAGLE3's verify sets in every step
-            env["SGLANG_ECOSPEC_GATE"] = "0"
         if cfg["eps"] is not None:
             env["SGLANG_ECOSPEC_EPS"] = str(cfg["eps"])
+        # ECOSPEC as an operator gets it: the server's defaults and the settings given.
+        for name, value in cfg.get("ecospec_settings", {}).items():
+            env[f"SGLANG_ECOSPEC_{name.upper()}"] = value
+        if algorithm == "ecospec-confidence":  # EAGLE3's verify sets in every step
+            env.update(SGLANG_ECOSPEC_POLICY="confidence", SGLANG_ECOSPEC_GATE="0")
+            env.pop("SGLANG_ECOSPEC_EPS", None)
     return args, env
 
 

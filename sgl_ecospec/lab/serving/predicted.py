@@ -8,12 +8,13 @@ A phase at concurrency c keeps ``B = min(c, prompts)`` requests in flight. Its d
 - speculative (eagle3, ecospec-confidence, ecospec): ``num_steps`` draft forwards (SGLang's
   EAGLE worker runs ``num_steps - 1`` in the draft loop and one draft extend after the
   verify), the verify of ``B x num_draft_tokens`` tokens and the accept step, divided by
-  the measured acceptance length (tokens per request per step). An ECOSPEC phase whose
-  acceptance length is 1 decoded plainly (the utility gate): priced as none.
+  the measured acceptance length (tokens per request per step). A phase whose acceptance
+  length is below ``PLAIN_BELOW`` decoded plainly but for the utility gate's few probe
+  steps (an ECOSPEC server whose gate closed): priced as none, the probes not priced.
 
-U, the distinct experts per MoE layer of the step, is the phase's logged
-``experts_per_layer_step`` where the server logged it (ECOSPEC), else the model's
-uniform-routing expectation N(tokens).
+U, the distinct experts per MoE layer of a speculative step, is the phase's logged
+``experts_per_layer_step`` where the server logged it (ECOSPEC logs its speculative steps),
+else the model's uniform-routing expectation N(tokens), as for every plain step.
 
 TPOT (``sglang.bench_serving``'s mean time per output token after the first) also holds the
 prefills of requests that start while a request decodes: the server runs them between its
@@ -26,16 +27,21 @@ decode intervals.
 from sgl_ecospec.costmodel.performance import PerformanceModel
 
 SPECULATIVE = ("eagle3", "ecospec-confidence", "ecospec")
+# Speculation on this draft accepts 1.7-1.9 tokens per step; a phase under 1.05 ran plainly
+# in all but its gate's probes.
+PLAIN_BELOW = 1.05
 
 
 def predicted_step_seconds(record: dict, cfg: dict, perf: PerformanceModel) -> float:
     """Seconds of one decode step of the phase ``record`` (module docstring)."""
     batch = min(record["concurrency"], cfg["num_prompts"])
     accept = record.get("accept_length")
-    speculating = record["algorithm"] in SPECULATIVE and accept is not None and accept > 1.0
-    experts = record.get("experts_per_layer_step")
+    speculating = (
+        record["algorithm"] in SPECULATIVE and accept is not None and accept >= PLAIN_BELOW
+    )
     if not speculating:
-        return float(perf.ar_time(batch, experts))
+        return float(perf.ar_time(batch))
+    experts = record.get("experts_per_layer_step")
     gamma = cfg["num_draft_tokens"]
     return float(
         cfg["num_steps"] * perf.draft_time(batch)
@@ -50,6 +56,8 @@ def predicted_tpot_ms(record: dict, cfg: dict, perf: PerformanceModel) -> float 
     accept = record.get("accept_length") or 1.0
     if record["algorithm"] in SPECULATIVE and record.get("accept_length") is None:
         return None
+    if accept < PLAIN_BELOW:
+        accept = 1.0  # the plain steps' one token each
     prompt_len = record.get("mean_input_len")
     if prompt_len is None:
         return None
