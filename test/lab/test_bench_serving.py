@@ -345,3 +345,26 @@ def test_predicted_tpot_prices_each_phase_by_its_steps_and_the_prefills_between_
     assert runs[0]["tpot_error"] == pytest.approx(runs[0]["predicted_tpot_ms"] / 100.0 - 1)
     assert runs[1]["predicted_tpot_ms"] is None and runs[1]["tpot_error"] is None
     assert "pred ms" in report.format_table(runs).splitlines()[0]
+
+
+def test_predict_from_prices_an_earlier_run_and_refuses_a_bad_profile(tmp_path, capsys):
+    profile = ROOT / "docs" / "results" / "cpu" / "2026-12-04-bandwidth-calibration.json"
+    run = {
+        "config": {"num_prompts": 16, "num_steps": 3, "num_draft_tokens": 5, "output_len": 32},
+        "runs": [
+            {**_record("none", 1, 4.67, 171.0), "mean_input_len": 108.6},
+            {**_record("eagle3", 1, 3.73, 230.4, 1.817), "mean_input_len": 108.6},
+        ],
+    }
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(run))
+    assert bench_serving.main(["--predict-from", str(path), "--profile", str(profile)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[-2:] == ["ms", "error"]
+    # The fitted plain step at batch 1 (bias + k1 G(1) + k2 x 8 experts): 170.8 ms.
+    assert lines[1].split()[-2] == "170.8"
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert bench_serving.main(["--predict-from", str(path), "--profile", str(bad)]) == 2
+    assert "--profile" in capsys.readouterr().err
+    assert bench_serving.main(["--predict-from", str(path)]) == 2
