@@ -24,7 +24,12 @@ from typing import Any
 from sgl_ecospec.costmodel.calibration import CalibrationFileError, CalibrationProfile
 from sgl_ecospec.costmodel.profiles import HARDWARE, MODELS, get_hardware, get_model
 from sgl_ecospec.gate import GateOptions
-from sgl_ecospec.ops.options import ADAPTIVE_EP_TOTAL_WEIGHT, DEFAULT_EPS, SelectionOptions
+from sgl_ecospec.ops.options import (
+    ADAPTIVE_EP_TOTAL_WEIGHT,
+    DEFAULT_EPS,
+    SERVED_MIN_SCORE,
+    SelectionOptions,
+)
 from sgl_ecospec.predictors.catalog import ONLINE_PREDICTORS
 
 ENV_PREFIX = "SGLANG_ECOSPEC_"
@@ -114,10 +119,13 @@ class EcoSpecSettings:
             layer's predicted experts weighted by how far they track the verified candidates'
             true new experts there (:class:`sgl_ecospec.predictors.LiveRecall`, fed from the
             verify routing), so that as that trust falls selection approaches "confidence".
-            Needs policy "ecospec" or "adaptive".
+            Needs policy "ecospec" or "adaptive"; None (the default): on with them, off with
+            "confidence", which reads no cost.
         min_score: >= 0, the lowest draft probability (cumulative along the path; the
             calibrated one with ``calibrated_acceptance`` under "ecospec" and "adaptive") a
-            candidate needs to be verified; 0: no floor. With a floor a request may verify
+            candidate needs to be verified; 0: no floor; None (the default):
+            ``SERVED_MIN_SCORE`` with "ecospec" and "adaptive", 0 with "confidence" (SGLang's
+            selection as published). With a floor a request may verify
             fewer nodes than SGLang's fixed width, whose unused slots hold copies of a chosen
             leaf (:mod:`sglang_ecospec.fixed_width`), as with "adaptive".
         num_buckets, prior_weight, halve_every: the online predictor's table size, prior
@@ -165,8 +173,8 @@ class EcoSpecSettings:
     predictor: str = "online"
     predictor_file: str | None = None
     learn: bool = True
-    recall_weighted_cost: bool = False
-    min_score: float = 0.0
+    recall_weighted_cost: bool | None = None
+    min_score: float | None = None
     num_buckets: int = 4096
     prior_weight: float = 0.05
     halve_every: int = 0
@@ -192,6 +200,19 @@ class EcoSpecSettings:
             raise EcoSpecSettingsError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         self._check_calibrate()
         self._check_eps()
+        if self.recall_weighted_cost and self.policy == "confidence":
+            raise EcoSpecSettingsError(
+                "recall_weighted_cost weights EcoSpec's DeltaCost, but policy "
+                f"{self.policy!r} reads no cost: set policy 'ecospec' or 'adaptive', or unset "
+                "recall_weighted_cost"
+            )
+        # The defaults the sweep chose (docs/RESULTS.md, "Defaults") for the policies that
+        # read a cost; "confidence" stays SGLang's EAGLE-3 selection.
+        costed = self.policy != "confidence"
+        if self.recall_weighted_cost is None:
+            object.__setattr__(self, "recall_weighted_cost", costed)
+        if self.min_score is None:
+            object.__setattr__(self, "min_score", SERVED_MIN_SCORE if costed else 0.0)
         # The fields the cost model does not set are checked now; with eps "auto" the rest
         # (eps, "adaptive"'s step cost) come per batch size (eps_table.BatchOptions),
         # and policy is checked above.
@@ -218,12 +239,6 @@ class EcoSpecSettings:
                 "OnlineExpertPredictor.save (online), ContextExpertPredictor.save (vocab, "
                 "context) or `sgl-ecospec train-head` (head), or leave it unset to start from "
                 "an empty table"
-            )
-        if self.recall_weighted_cost and self.policy == "confidence":
-            raise EcoSpecSettingsError(
-                "recall_weighted_cost weights EcoSpec's DeltaCost, but policy "
-                f"{self.policy!r} reads no cost: set policy 'ecospec' or 'adaptive', or unset "
-                "recall_weighted_cost"
             )
         if not 1 <= self.num_buckets < 2**31:
             raise EcoSpecSettingsError(f"num_buckets must be in [1, 2**31), got {self.num_buckets}")

@@ -18,7 +18,7 @@ from sgl_ecospec.costmodel.profiles import HARDWARE, MODELS, get_hardware, get_m
 from sgl_ecospec.lab.command_line import parse_positive_ints
 from sgl_ecospec.lab.testbed import build as testbed_build
 from sgl_ecospec.lab.testbed.recipe import RECIPES, build_dir
-from sgl_ecospec.ops.options import POLICIES, SelectionOptions
+from sgl_ecospec.ops.options import POLICIES, SERVED_MIN_SCORE, SelectionOptions
 from sgl_ecospec.predictors.catalog import ONLINE_PREDICTORS
 
 # The peers of ../shared/docs/PEERS.md as benchmark policies (docs/bench.md, "Peers"):
@@ -149,8 +149,8 @@ class BenchConfig(_Config):
     eps: float = SelectionOptions.eps
     share_buffer: bool = True
     calibrated_acceptance: bool = False
-    recall_weighted_cost: bool = False
-    min_score: float = 0.0
+    recall_weighted_cost: bool = True
+    min_score: float | None = None
     target: str | None = None
     draft: str | None = None
     small: bool = False
@@ -196,17 +196,19 @@ class BenchConfig(_Config):
             SelectionOptions(eps=self.eps)  # the one eps rule, the op's
         except (TypeError, ValueError):
             raise ValueError(f"--eps must be > 0, got {self.eps}") from None
+        if self.min_score is None:  # ECOSPEC's floor; the peers run as published
+            object.__setattr__(self, "min_score", SERVED_MIN_SCORE)
+        elif self.min_score > 0 and not set(self.policies) & set(FLOORED_POLICIES):
+            raise ValueError(
+                f"--min-score floors {' and '.join(FLOORED_POLICIES)} only (the peers run as "
+                "published): list one of them with --policy"
+            )
         try:
             SelectionOptions(min_score=self.min_score)
         except (TypeError, ValueError):
             raise ValueError(
                 f"--min-score must be a draft probability >= 0, got {self.min_score}"
             ) from None
-        if self.min_score > 0 and not set(self.policies) & set(FLOORED_POLICIES):
-            raise ValueError(
-                f"--min-score floors {' and '.join(FLOORED_POLICIES)} only (the peers run as "
-                "published): list one of them with --policy"
-            )
         if self.save_predictor and self.predictor not in ONLINE_PREDICTORS:
             raise ValueError(
                 "--save-predictor writes the online predictor's table; use --predictor "

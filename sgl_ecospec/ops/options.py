@@ -14,6 +14,10 @@ from sgl_ecospec.ops.checks import check_finite, check_positive
 # The constant of the EcoSpec paper's worked example (Fig. 3, docs/selection.md);
 # ``costmodel.selection_cost`` derives a better one from the fitted cost model.
 DEFAULT_EPS = 0.1
+# The score floor ECOSPEC serves with when none is set (the plugin's settings, ``bench``):
+# the defaults sweep measured it below confidence's line at equal acceptance (docs/RESULTS.md,
+# "Defaults"). The op's own default stays 0 (no floor), so a direct call selects as published.
+SERVED_MIN_SCORE = 0.2
 # In the order of the C++ ``Policy`` enum (csrc/selection_core.h).
 POLICIES = ("confidence", "ecospec", "adaptive")
 # The total_weight "adaptive" selects with under EP unless told otherwise (the SGLang plugin's

@@ -17,6 +17,7 @@ from sgl_ecospec.lab.bench import metrics, runs, sweep_plan
 from sgl_ecospec.lab.config import BenchConfig
 from sgl_ecospec.lab.engine import OracleExpertPredictor, SpecConfig
 from sgl_ecospec.lab.engine.stats import StepStats as Step
+from sgl_ecospec.ops.options import SERVED_MIN_SCORE
 
 QWEN3 = get_model("qwen3-235b-a22b")
 
@@ -360,7 +361,7 @@ def test_adaptive_selects_with_the_cost_model_and_the_measured_prices(fake_engin
     assert spec.eps == fields["eps"] == cost.eps != 7  # --eps is ecospec's
     assert spec.selection_options.step_cost == cost.step_cost
     assert spec.layer_weights == pytest.approx(fields["layer_weights"])
-    assert spec.recall_weighted_cost is False
+    assert spec.recall_weighted_cost is True  # bench's default
     assert exchange.prior == pytest.approx(fields["layer_weights"][0] * L / QWEN3.moe_layers)
     entry = json.loads(path.read_text())["policies"]["adaptive"]
     assert set(entry["expert_exchange"]) == {"prior", "rate", "others"}
@@ -379,6 +380,18 @@ def test_min_score_floors_ecospec_and_adaptive_not_the_peers(fake_engine, tmp_pa
     compares = [c[4] for c in fake_engine.calls if c[0].policy == "ecospec"][0]
     assert {c.selection_options.min_score for c in compares} == {0.0}  # confidence's line
     assert json.loads(path.read_text())["config"]["min_score"] == 0.05
+
+
+def test_the_served_floor_and_recall_weighted_cost_are_the_defaults(fake_engine):
+    assert _run(["--num-prompts", "2", "--budget", "2", "--policy", "confidence,ecospec"]) == 0
+    runs = {c[0].policy: c[0] for c in fake_engine.calls}
+    assert runs["ecospec"].selection_options.min_score == SERVED_MIN_SCORE > 0
+    assert runs["confidence"].selection_options.min_score == 0.0  # the peers as published
+    assert runs["ecospec"].recall_weighted_cost is True
+    fake_engine.calls.clear()  # the confidence-only run takes the default floor silently
+    argv = ["--num-prompts", "2", "--budget", "2", "--policy", "confidence"]
+    assert _run([*argv, "--no-recall-weighted-cost"]) == 0
+    assert {c[0].recall_weighted_cost for c in fake_engine.calls} == {False}
 
 
 def test_paired_scores_ecospec_against_confidence_at_b_and_below(fake_engine, tmp_path, capsys):

@@ -10,6 +10,7 @@ from sgl_ecospec.lab import config
 from sgl_ecospec.lab.bench import cli as bench_cli
 from sgl_ecospec.lab.bench import sweep, train_head
 from sgl_ecospec.lab.config import BenchConfig, SweepConfig, TrainHeadConfig, with_models
+from sgl_ecospec.ops.options import SERVED_MIN_SCORE
 
 # scripts/run_main.sh's bench command.
 RUN_MAIN = (
@@ -63,8 +64,8 @@ def test_bench_config_serializes_as_the_old_dict():
         "eps": cfg.eps,
         "share_buffer": True,
         "calibrated_acceptance": False,
-        "recall_weighted_cost": False,
-        "min_score": 0.0,
+        "recall_weighted_cost": True,
+        "min_score": SERVED_MIN_SCORE,
         "target": "/t",
         "draft": "/d",
         "small": False,

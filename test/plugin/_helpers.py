@@ -38,9 +38,16 @@ def sglang_draft_tree(batch, topk, steps, seed, vocab=1000):
     return score_list, token_list, parents_list
 
 
+# The rules as published (no score floor, no recall weighting): the tests of the selection's
+# mechanics pin them; the served defaults have their own tests (test_settings.py).
+PUBLISHED = dict(recall_weighted_cost=False, min_score=0.0)
+
+
 def make_selector(policy="confidence", share_buffer=True, num_experts=16, max_batch=8, ndt=8):
     predictor = OnlineExpertPredictor(2, num_experts, 2, num_buckets=64)
-    settings = EcoSpecSettings(policy=policy, share_buffer=share_buffer, log_interval=0)
+    settings = EcoSpecSettings(
+        policy=policy, share_buffer=share_buffer, log_interval=0, **PUBLISHED
+    )
     return selection.EcoSpecSelector(
         settings, predictor, topk=3, num_draft_tokens=ndt, max_batch=max_batch, device="cpu"
     )

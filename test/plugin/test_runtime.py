@@ -9,6 +9,7 @@ from sglang_ecospec import ep_placement, metrics, routing, selection
 from sglang_ecospec.settings import EcoSpecSettings, EcoSpecSettingsError
 
 from plugin._helpers import (
+    PUBLISHED,
     draft_tree_through_hooks,
 )
 
@@ -28,7 +29,12 @@ def test_runtime_builds_ep_placement_and_cost_model_eps():
     # Qwen3-30B-A3B's MoE shape (48 layers x 128 experts, top-8), EP 2 without metadata.
     config = Qwen2MoeConfig(num_hidden_layers=48, num_experts=128, num_experts_per_tok=8)
     settings = EcoSpecSettings(
-        eps="auto", profile="qwen3-30b-a3b", hardware="2xh200", num_buckets=64, log_interval=0
+        eps="auto",
+        profile="qwen3-30b-a3b",
+        hardware="2xh200",
+        num_buckets=64,
+        log_interval=0,
+        **PUBLISHED,
     )
 
     def ep2_runtime(settings, max_batch):
@@ -69,7 +75,7 @@ def test_runtime_learns_from_the_verify_routing_and_logs_statistics():
     from transformers import Qwen2MoeConfig
 
     config = Qwen2MoeConfig(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
-    settings = EcoSpecSettings(log_interval=1, num_buckets=1 << 12)
+    settings = EcoSpecSettings(log_interval=1, num_buckets=1 << 12, **PUBLISHED)
     runtime = EcoSpecRuntime(
         settings, config, topk=2, num_draft_tokens=3, max_batch=2, device="cpu"
     )
@@ -166,7 +172,9 @@ def test_runtime_feeds_the_live_recall_from_captured_verify_rows():
     from transformers import Qwen2MoeConfig
 
     config = Qwen2MoeConfig(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
-    settings = EcoSpecSettings(recall_weighted_cost=True, num_buckets=64, log_interval=0)
+    settings = EcoSpecSettings(
+        recall_weighted_cost=True, min_score=0.0, num_buckets=64, log_interval=0
+    )
     runtime = EcoSpecRuntime(
         settings, config, topk=2, num_draft_tokens=3, max_batch=2, device="cpu"
     )

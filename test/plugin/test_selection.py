@@ -7,6 +7,7 @@ from sglang_ecospec import eps_table, selection
 from sglang_ecospec.settings import EcoSpecSettings
 
 from plugin._helpers import (
+    PUBLISHED,
     StateEchoPredictor,
     assert_valid_selection,
     draft_tree_through_hooks,
@@ -54,7 +55,7 @@ def test_ecospec_prefers_the_candidate_that_adds_fewer_experts():
     # The root (token 1) uses experts {0, 1}; token 10 needs {4, 5}; token 11 shares {0, 1}.
     predictor.observe(torch.tensor([1, 10, 11]), torch.tensor([[[0, 1]], [[4, 5]], [[0, 1]]]))
     for policy, want in [("confidence", 10), ("ecospec", 11)]:
-        settings = EcoSpecSettings(policy=policy, log_interval=0)
+        settings = EcoSpecSettings(policy=policy, log_interval=0, **PUBLISHED)
         selector = selection.EcoSpecSelector(
             settings, predictor, topk=2, num_draft_tokens=2, max_batch=2, device="cpu"
         )
@@ -102,7 +103,7 @@ def test_auto_eps_is_looked_up_by_batch_size(monkeypatch):
     calls = spy_on_selection(monkeypatch)
     table = eps_table.EpsTable(batches=(1, 2, 4), eps=(0.01, 0.02, 0.5))
     predictor = OnlineExpertPredictor(2, 16, 2, num_buckets=64)
-    settings = EcoSpecSettings(eps="auto", profile="qwen3-30b-a3b", hardware="h200")
+    settings = EcoSpecSettings(eps="auto", profile="qwen3-30b-a3b", hardware="h200", **PUBLISHED)
     selector = selection.EcoSpecSelector(
         settings, predictor, topk=3, num_draft_tokens=5, max_batch=8, device="cpu", eps_table=table
     )
@@ -145,7 +146,7 @@ def test_head_gets_the_draft_state_that_proposed_each_candidate():
 
 def recall_weighted_selector(predictor, **settings):
     selector = selection.EcoSpecSelector(
-        EcoSpecSettings(recall_weighted_cost=True, log_interval=0, **settings),
+        EcoSpecSettings(recall_weighted_cost=True, min_score=0.0, log_interval=0, **settings),
         predictor,
         topk=3,
         num_draft_tokens=7,
@@ -197,7 +198,7 @@ def test_recall_weighted_cost_is_the_librarys_rule_without_a_host_read(monkeypat
     predictor.observe(tokens, torch.randint(0, 16, (tokens.numel(), 3, 2), generator=gen))
     selector = recall_weighted_selector(predictor, eps=0.5)
     plain = selection.EcoSpecSelector(
-        EcoSpecSettings(eps=0.5, log_interval=0),
+        EcoSpecSettings(eps=0.5, log_interval=0, **PUBLISHED),
         predictor,
         topk=3,
         num_draft_tokens=7,

@@ -228,6 +228,7 @@ def test_memory_counts_the_context_tables_and_their_buffers(name, recall_weighte
     settings = EcoSpecSettings(
         predictor=name,
         recall_weighted_cost=recall_weighted,
+        min_score=0.0,
         log_interval=1,
         calibrated_acceptance=False,  # its own memory is test_memory.py's
     )

@@ -7,6 +7,7 @@ import pytest
 from sglang_ecospec.eps_table import BatchOptions
 from sglang_ecospec.settings import EcoSpecSettings, EcoSpecSettingsError
 
+from sgl_ecospec.ops.options import SERVED_MIN_SCORE
 from sgl_ecospec.ops.selection import ADAPTIVE_EP_TOTAL_WEIGHT
 
 
@@ -163,13 +164,23 @@ def test_settings_predictors_of_the_catalog_and_recall_weighted_cost():
         {"SGLANG_ECOSPEC_PREDICTOR": "context", "SGLANG_ECOSPEC_RECALL_WEIGHTED_COST": "true"}
     )
     assert settings.recall_weighted_cost is True
-    assert EcoSpecSettings().recall_weighted_cost is False
+    # Unset: on with the policies that read a cost, off with confidence (SGLang's EAGLE-3).
+    assert EcoSpecSettings().recall_weighted_cost is True
+    assert EcoSpecSettings(policy="confidence").recall_weighted_cost is False
+    off = EcoSpecSettings.from_env({"SGLANG_ECOSPEC_RECALL_WEIGHTED_COST": "off"})
+    assert off.recall_weighted_cost is False
 
 
 def test_settings_min_score():
     assert EcoSpecSettings().selection_fields() == dict(
-        policy="ecospec", share_buffer=True, total_weight=None, min_score=0.0, eps=0.1
+        policy="ecospec", share_buffer=True, total_weight=None, min_score=SERVED_MIN_SCORE, eps=0.1
     )
+    assert EcoSpecSettings(policy="confidence").min_score == 0.0  # SGLang's selection
+    assert EcoSpecSettings.from_env({"SGLANG_ECOSPEC_MIN_SCORE": "0"}).min_score == 0.0
+    floored = EcoSpecSettings.from_env(
+        {"SGLANG_ECOSPEC_POLICY": "confidence", "SGLANG_ECOSPEC_MIN_SCORE": "0.2"}
+    )
+    assert floored.min_score == 0.2
     settings = EcoSpecSettings.from_env({"SGLANG_ECOSPEC_MIN_SCORE": "0.05"})
     options = BatchOptions(settings.selection_fields(), None)(8)
     assert options.min_score == 0.05 and options.stops_short

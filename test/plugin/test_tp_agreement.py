@@ -67,7 +67,9 @@ def test_one_rank_adds_no_collective(monkeypatch):
         tp_agreement.TpAgreement(SimpleNamespace(world_size=1))
 
     config = Qwen2MoeConfig(num_hidden_layers=2, num_experts=16, num_experts_per_tok=2)
-    settings = EcoSpecSettings(policy="ecospec", log_interval=1, num_buckets=64)
+    settings = EcoSpecSettings(
+        policy="ecospec", log_interval=1, num_buckets=64, recall_weighted_cost=False, min_score=0.0
+    )
     runtime = EcoSpecRuntime(
         settings, config, topk=TOPK, num_draft_tokens=NDT, max_batch=4, device="cpu",
         tp_check_interval=1,
@@ -155,7 +157,9 @@ def _rank_facts(rank: int, port: int) -> dict:
     logging.getLogger(tp_agreement.__name__).addHandler(handler)
 
     config = Qwen2MoeConfig(num_hidden_layers=2, num_experts=16, num_experts_per_tok=2)
-    settings = EcoSpecSettings(policy="ecospec", eps=0.01, log_interval=0)
+    settings = EcoSpecSettings(
+        policy="ecospec", eps=0.01, log_interval=0, recall_weighted_cost=False, min_score=0.0
+    )
     runtime = EcoSpecRuntime(
         settings, config, topk=TOPK, num_draft_tokens=NDT, num_steps=STEPS, max_batch=12,
         device="cpu", tp_check_interval=2,

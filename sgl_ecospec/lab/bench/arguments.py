@@ -49,14 +49,17 @@ def add_predictor_arguments(group) -> None:
     )
 
 
-def add_recall_weighted_argument(group) -> None:
-    """``--recall-weighted-cost``: DeltaCost trusts only what the predictor knows."""
+def add_recall_weighted_argument(group, default: bool) -> None:
+    """``--recall-weighted-cost`` / ``--no-recall-weighted-cost``: DeltaCost trusts only what
+    the predictor knows."""
     group.add_argument(
         "--recall-weighted-cost",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=default,
         help="weigh each layer's DeltaCost by the predictor's live trust (how far its predicted "
         "new experts track the verified candidates' true ones) and add the measured cost of "
-        "the rest to eps, so that as the trust falls ecospec approaches confidence",
+        "the rest to eps, so that as the trust falls ecospec approaches confidence "
+        f"(default {'on' if default else 'off'})",
     )
 
 

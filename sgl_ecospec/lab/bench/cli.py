@@ -43,6 +43,7 @@ from sgl_ecospec.lab.config import (
     with_models,
 )
 from sgl_ecospec.lab.datasets import DATASETS, load_prompts, render_chat
+from sgl_ecospec.ops.options import SERVED_MIN_SCORE
 from sgl_ecospec.ops.selection import DEFAULT_EPS
 
 DEFAULT_PLOT = "bench_experts.png"
@@ -88,7 +89,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="EcoSpec's P / (cost + eps) (adaptive: the cost model's)",
     )
     arguments.add_share_buffer_argument(gen, "one expert buffer for the whole batch")
-    arguments.add_recall_weighted_argument(gen)
+    arguments.add_recall_weighted_argument(gen, default=True)
     gen.add_argument(
         "--calibrated-acceptance",
         action="store_true",
@@ -99,10 +100,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     gen.add_argument(
         "--min-score",
         type=float,
-        default=0.0,
+        default=None,
         help="ecospec and adaptive verify no candidate whose draft probability is below this "
-        "(so a step may verify fewer than --budget; the peers run as published; default 0: "
-        "no floor)",
+        "(so a step may verify fewer than --budget; the peers run as published; default "
+        f"{SERVED_MIN_SCORE}, the served default; 0: no floor)",
     )
     gen.add_argument(
         "--paired",

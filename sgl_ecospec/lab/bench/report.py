@@ -93,7 +93,9 @@ def preamble(report: dict) -> str:
             f"tree       topk {cfg['topk']}, {cfg['steps']} steps ({cfg['candidates']} "
             f"candidates), predictor {cfg['predictor']}, eps {cfg['eps']:g}, shared buffer "
             f"{'on' if cfg['share_buffer'] else 'off'}, selection by "
-            f"{'calibrated' if cfg.get('calibrated_acceptance') else 'draft'} probabilities",
+            f"{'calibrated' if cfg.get('calibrated_acceptance') else 'draft'} probabilities, "
+            f"recall-weighted cost {'on' if cfg.get('recall_weighted_cost') else 'off'}, "
+            f"score floor {cfg.get('min_score', 0.0):g} (ecospec, adaptive)",
             f"profile    {prof['name']} (E={prof['num_experts']}, K={prof['top_k']}, "
             f"{prof['moe_layers']} MoE layers, {prof['bytes_per_expert'] / 1e6:.2f} MB/expert) "
             f"on {hw['name']}",

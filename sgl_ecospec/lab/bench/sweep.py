@@ -120,7 +120,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     arguments.add_share_buffer_argument(
         gen, "one expert buffer (and one adaptive account) for the whole batch"
     )
-    arguments.add_recall_weighted_argument(gen)
+    arguments.add_recall_weighted_argument(gen, default=False)
     arguments.add_model_arguments(parser)
     out = arguments.add_output_arguments(
         parser,
