@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 mkdir -p results
 exec .venv/bin/sgl-ecospec bench --dataset mt-bench,humaneval --num-prompts 4 \
-  --max-new-tokens 48 --batch-size 1 --topk 4 --steps 3 --budget 4 --budgets 2,4 \
+  --max-new-tokens 48 --batch-size 1 --topk 4 --steps 3 --budget 4 --budgets 1,2,4 \
   --policy confidence,ecospec --check-lossless \
   --profile qwen3-235b-a22b --hardware h200 \
   --reproducible --json results/bench.json --plot results/bench_experts.png "$@"

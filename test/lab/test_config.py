@@ -15,7 +15,7 @@ from sgl_ecospec.ops.options import SERVED_MIN_SCORE
 # scripts/run_main.sh's bench command.
 RUN_MAIN = (
     "--dataset mt-bench,humaneval --num-prompts 4 --max-new-tokens 48 --batch-size 1 --topk 4 "
-    "--steps 3 --budget 4 --budgets 2,4 --policy confidence,ecospec --check-lossless "
+    "--steps 3 --budget 4 --budgets 1,2,4 --policy confidence,ecospec --check-lossless "
     "--profile qwen3-235b-a22b --hardware h200 --json results/bench.json "
     "--plot results/bench_experts.png"
 ).split()
@@ -57,7 +57,7 @@ def test_bench_config_serializes_as_the_old_dict():
         "steps": 3,
         "candidates": 36,
         "budget": 4,
-        "budgets": [2, 4],
+        "budgets": [1, 2, 4],
         "policies": ["confidence", "ecospec"],
         "predictor": "online",
         "predictor_file": None,
