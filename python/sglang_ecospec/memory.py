@@ -114,9 +114,12 @@ def buffer_bytes(
     ep_placement: bool,
     context: bool = False,
     live_recall: bool = False,
+    stops_short: bool = False,
 ):
     """Bytes of the runtime's persistent buffers (each term names its owner); ``context``: a
-    predictor that reads context, ``live_recall``: the recall-weighted cost's recall."""
+    predictor that reads context, ``live_recall``: the recall-weighted cost's recall,
+    ``stops_short``: sets that may stop short (``adaptive`` or a score floor) and so copy a
+    leaf into SGLang's unused verify slots."""
     layers, experts, top_k = shape.num_layers, shape.num_experts, shape.top_k
     rows = max_batch * num_draft_tokens
     return (
@@ -131,6 +134,8 @@ def buffer_bytes(
         + ((2 * max_batch + rows) * _I64 if context else 0)
         # LiveRecall novel, trust, cost_fit (5 rows), hits, rows, novel_steps
         + (layers * (7 * _F32 + _F64) + _F64 + _F32 if live_recall else 0)
+        # selector.copy_rows, fixed_width.CopyCheck.totals
+        + (rows * _BOOL + 2 * _I64 if stops_short else 0)
     )
 
 
@@ -287,6 +292,7 @@ def plugin_memory_bytes(
         ep_placement=ep_placement,
         context=context,
         live_recall=settings.recall_weighted_cost,
+        stops_short=settings.policy == "adaptive" or settings.min_score > 0,
     )
     sizes = {"batch": max_batch, "num_draft_tokens": num_draft_tokens}
     step = selection_step_bytes(

@@ -14,7 +14,7 @@ from _util import SYNC_OPS, compile_once, host_syncs
 from sglang_ecospec import acceptance, metrics, routing, selection
 from sglang_ecospec.settings import EcoSpecSettings
 
-from plugin._helpers import cpu_runtime, sglang_draft_tree, spy_on_host_reads
+from plugin._helpers import PUBLISHED, cpu_runtime, sglang_draft_tree, spy_on_host_reads
 from plugin.test_graph_safety import OpLog
 from sgl_ecospec.acceptance import AcceptanceCalibrator, expected_accepted
 
@@ -50,12 +50,13 @@ def hand_tree(batch=BATCH):
 
 def make_runtime(**settings):
     """A runtime whose expert predictor stays cold (``learn`` off): every token is predicted
-    the same experts, so DeltaCost is 0 everywhere and EcoSpec's P / (DeltaCost + eps) ranks
-    by P alone, which makes the calibration's effect on the choice visible."""
+        the same experts, so DeltaCost is 0 everywhere and EcoSpec's P / (DeltaCost + eps) ranks
+        by P alone, which makes the calibration's effect on the choice visible (the published rule:
+    a score floor would drop the low-probability candidates it needs)."""
     from transformers import Qwen2MoeConfig
 
     config = Qwen2MoeConfig(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
-    values = {"log_interval": 1, "num_buckets": 64, "learn": False, **settings}
+    values = {"log_interval": 1, "num_buckets": 64, "learn": False, **PUBLISHED, **settings}
     return cpu_runtime(EcoSpecSettings(**values), config, TOPK, NDT, num_steps=STEPS)
 
 

@@ -6,7 +6,7 @@ import torch
 from sglang_ecospec import ep_placement, hooks, selection
 from sglang_ecospec.settings import EcoSpecSettings
 
-from plugin._helpers import cpu_runtime, spy_on_selection
+from plugin._helpers import PUBLISHED, cpu_runtime, spy_on_selection
 from sgl_ecospec.predictors import OnlineExpertPredictor
 
 
@@ -124,7 +124,7 @@ def test_ep_cost_follows_the_busiest_rank_and_eplb_updates(monkeypatch):
             placement=placement,
         )
 
-    settings = EcoSpecSettings(log_interval=0)
+    settings = EcoSpecSettings(log_interval=0, **PUBLISHED)  # the cost's mechanics alone
     assert choose(make(settings)) == [[10]]  # both add one expert: the higher P wins
     placement = ep_placement.ExpertPlacement(layout, [1], 8, "cpu")
     selector = make(settings, placement)
@@ -134,7 +134,7 @@ def test_ep_cost_follows_the_busiest_rank_and_eplb_updates(monkeypatch):
     assert call["total_weight"] is None  # the op's default, 1 / R
     assert placement.expert_rank.tolist() == [[0, 0, 0, 0, 1, 1, 1, 1]]
     # total_weight from the settings reaches the op: 1 prices every added expert alike.
-    flat = make(EcoSpecSettings(log_interval=0, total_weight=1.0), placement)
+    flat = make(EcoSpecSettings(log_interval=0, total_weight=1.0, **PUBLISHED), placement)
     assert choose(flat) == [[10]] and calls[-1]["total_weight"] == 1.0
 
     # EPLB swaps experts 2 and 5 in layer 1 (SGLang's in-place update, through our hook).

@@ -15,7 +15,7 @@ from sglang_ecospec import ep_placement, routing, selection
 from sglang_ecospec.settings import EcoSpecSettings
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from plugin._helpers import cpu_runtime, sglang_draft_tree, spy_on_host_reads
+from plugin._helpers import PUBLISHED, cpu_runtime, sglang_draft_tree, spy_on_host_reads
 from sgl_ecospec.predictors import OnlineExpertPredictor
 
 BATCH, TOPK, STEPS, NDT, L, E, K = 3, 3, 3, 8, 2, 16, 2
@@ -27,6 +27,11 @@ AFTER_VERIFY_OPS = 21
 # draft steps: its own 10, the library's observe 53 (test_acceptance.py), its totals'
 # snapshot 1.
 ACCEPTANCE_OPS = 64
+# The served defaults add: the recall-weighted cost's live recall (its update, cost fit and
+# novel-expert counts, 135) and the score floor's copy check (11, and 2 that leave the copies
+# out of the live recall).
+RECALL_OPS = 135
+COPY_CHECK_OPS = 13
 
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -129,13 +134,21 @@ class OpLog(TorchDispatchMode):
         return [name for name, _ in self.ops]
 
 
-def test_after_verify_is_a_few_kernels_without_host_sync(monkeypatch):
+@pytest.mark.parametrize("rule", ["published", "defaults"])
+def test_after_verify_is_a_few_kernels_without_host_sync(monkeypatch, rule):
     from types import SimpleNamespace
 
     from transformers import Qwen2MoeConfig
 
     config = Qwen2MoeConfig(num_hidden_layers=L, num_experts=E, num_experts_per_tok=K)
-    settings = EcoSpecSettings(log_interval=1, num_buckets=64)  # a snapshot after every step
+    published = PUBLISHED if rule == "published" else {}
+    # A snapshot after every step.
+    settings = EcoSpecSettings(log_interval=1, num_buckets=64, **published)
+    bound = AFTER_VERIFY_OPS + ACCEPTANCE_OPS
+    if settings.recall_weighted_cost:
+        bound += RECALL_OPS
+    if settings.min_score > 0:
+        bound += COPY_CHECK_OPS
     runtime = cpu_runtime(settings, config, TOPK, NDT, num_steps=STEPS)
     reads = spy_on_host_reads(monkeypatch)
     try:
@@ -159,7 +172,7 @@ def test_after_verify_is_a_few_kernels_without_host_sync(monkeypatch):
             )
         assert reads == []  # no host read of anything on the device
         assert not SYNC_OPS & set(log.names()), log.names()
-        assert len(log.ops) <= AFTER_VERIFY_OPS + ACCEPTANCE_OPS, log.names()
+        assert len(log.ops) <= bound, log.names()
         assert runtime.acceptance.calibrator.observe_calls == 1
         # The statistics alone: nothing of [T, L, E] and nothing in float.
         with OpLog() as stats_log:

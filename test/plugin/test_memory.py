@@ -14,12 +14,16 @@ import torch
 from sglang_ecospec import acceptance, ep_placement, memory, routing, selection
 from sglang_ecospec.settings import EcoSpecSettings
 
-from plugin._helpers import sglang_draft_tree
+from plugin._helpers import PUBLISHED, sglang_draft_tree
 
 L, E, K = 4, 64, 4  # MoE layers, experts, top-k of the served model
 BATCH, TOPK, STEPS, NDT = 5, 4, 3, 8  # largest batch and the draft tree (36 candidates)
 SHAPE = memory.ModelShape(L, E, K)
-SETTINGS = EcoSpecSettings(log_interval=1, num_buckets=256)
+# The served defaults (recall-weighted cost, score floor) and the published rule.
+SETTINGS = {
+    "defaults": EcoSpecSettings(log_interval=1, num_buckets=256),
+    "published": EcoSpecSettings(log_interval=1, num_buckets=256, **PUBLISHED),
+}
 
 
 def allocations(fn):
@@ -42,13 +46,18 @@ def allocations(fn):
     return result, live, peak
 
 
-def build_runtime(**kwargs):
+@pytest.fixture(params=sorted(SETTINGS))
+def settings(request):
+    return SETTINGS[request.param]
+
+
+def build_runtime(settings, **kwargs):
     from sglang_ecospec.runtime import EcoSpecRuntime
     from transformers import Qwen2MoeConfig
 
     config = Qwen2MoeConfig(num_hidden_layers=L, num_experts=E, num_experts_per_tok=K)
     return EcoSpecRuntime(
-        SETTINGS,
+        settings,
         config,
         topk=TOPK,
         num_draft_tokens=NDT,
@@ -60,16 +69,16 @@ def build_runtime(**kwargs):
     )
 
 
-def test_computed_footprint_is_what_the_runtime_allocates():
-    build_runtime().close()  # first use of every module out of the way
-    runtime, kept, _ = allocations(build_runtime)
+def test_computed_footprint_is_what_the_runtime_allocates(settings):
+    build_runtime(settings).close()  # first use of every module out of the way
+    runtime, kept, _ = allocations(lambda: build_runtime(settings))
     try:
         usage = runtime.memory
         assert kept == usage.persistent  # every tensor the runtime keeps, counted exactly
         assert usage.predictor == (256 + 1) * L * E * 4  # the online table and its prior
         # Up front, from the settings and the model's shape alone: the same numbers.
         assert usage == memory.plugin_memory_bytes(
-            SETTINGS,
+            settings,
             SHAPE,
             max_batch=BATCH,
             num_draft_tokens=NDT,
@@ -90,10 +99,10 @@ def test_computed_footprint_is_what_the_runtime_allocates():
         )
 
 
-def test_step_temporaries_stay_within_the_estimate():
+def test_step_temporaries_stay_within_the_estimate(settings):
     """The largest batch's selection and after-verify temporaries, measured, lie under the
     estimate, which is not loose (within 1.5x)."""
-    runtime = build_runtime()
+    runtime = build_runtime(settings)
     try:
         tree = sglang_draft_tree(BATCH, TOPK, STEPS, seed=0)
         roots = torch.arange(BATCH)
@@ -123,7 +132,9 @@ def test_step_temporaries_stay_within_the_estimate():
     selection_bound = memory.selection_step_bytes(
         SHAPE, topk=TOPK, num_steps=STEPS, **tree_args
     ) + acceptance.draft_step_bytes(num_draft_tokens=NDT, **calibration)
-    verify_bound = memory.after_verify_bytes(SHAPE, **tree_args)
+    verify_bound = memory.after_verify_bytes(
+        SHAPE, live_recall=settings.recall_weighted_cost, **tree_args
+    )
     verify_bound += acceptance.after_verify_bytes(**calibration)
     assert selection_peak <= selection_bound <= 1.5 * selection_peak
     assert verify_peak <= verify_bound <= 1.5 * verify_peak
@@ -131,7 +142,7 @@ def test_step_temporaries_stay_within_the_estimate():
 
 
 def test_prediction_in_blocks_bounds_scoring_and_selects_the_same():
-    runtime = build_runtime()
+    runtime = build_runtime(SETTINGS["defaults"])
     try:
         tree = sglang_draft_tree(BATCH, TOPK, STEPS, seed=1)
         spec_info = SimpleNamespace(is_draft_input=lambda: True, bonus_tokens=torch.arange(5))
@@ -157,7 +168,9 @@ def test_prediction_in_blocks_bounds_scoring_and_selects_the_same():
 def test_footprint_of_a_served_model_and_its_log_line():
     """Qwen3-235B-A22B's shape (94 MoE layers, 128 experts, top-8) at SGLang's EAGLE default
     of 48 running requests, topk 4, 3 steps, 8 draft tokens: the 4096-bucket table is the
-    ~200 MB of the finding, and blocks keep the step's temporaries near the 64 MiB cap."""
+    ~200 MB of the finding, and blocks keep the scoring within the 64 MiB cap: the step's
+    temporaries are 120 MiB with the published rule, 140 MiB with the recall-weighted cost's
+    update (the default), which holds its own [T, L, E] multi-hot and per-request counts."""
     usage = memory.plugin_memory_bytes(
         EcoSpecSettings(),
         memory.ModelShape(94, 128, 8),
@@ -167,7 +180,16 @@ def test_footprint_of_a_served_model_and_its_log_line():
         num_steps=3,
     )
     assert usage.predictor == 4097 * 94 * 128 * 4
-    assert usage.step < 128 * memory.MIB and usage.buffers < 4 * memory.MIB
+    assert usage.step < 144 * memory.MIB and usage.buffers < 4 * memory.MIB
+    published = memory.plugin_memory_bytes(
+        EcoSpecSettings(**PUBLISHED),
+        memory.ModelShape(94, 128, 8),
+        max_batch=49,
+        num_draft_tokens=8,
+        topk=4,
+        num_steps=3,
+    )
+    assert published.step < 128 * memory.MIB < usage.step
     line = usage.describe()
     assert line.startswith(f"ECOSPEC reserves {usage.total / memory.MIB:.1f} MiB: predictor ")
     assert "MiB, buffers " in line and "MiB, per-step temporaries " in line
