@@ -10,8 +10,11 @@ operations per request:
   KV list, including the split-KV intermediates (``attn_logits``, ``attn_lse``) that the
   Triton kernel writes for its stage-2 merge and DCP reads;
 - :func:`extend_attention_fwd`: the queries of each request over its paged prefix and its
-  own new keys (prefill, draft extend, target verify with the custom tree mask);
-- :func:`extend_attention_fwd_unified`: the deterministic-mode variant, one unified KV list.
+  own new keys (prefill, draft extend, target verify with the custom tree mask), in one
+  batched pass when every request extends by the same rows
+  (:mod:`sglang_ecospec_cpu.extend_batched`);
+- ``extend_attention_fwd_unified`` (:mod:`sglang_ecospec_cpu.attention_unified`): the
+  deterministic-mode variant, one unified KV list.
 
 Each function has the signature and the semantics of the kernel function of the same name
 in ``sglang.kernels.ops.attention.{decode,extend}_attention``: paged KV through
@@ -36,12 +39,19 @@ import torch
 
 from sglang_ecospec_cpu.attention_math import (
     cap_logits,
+    extend_rows,
+    extend_uncovered,
     grouped_scores,
     grouped_values,
     head_major,
     softmax_parts,
     xai_log_scale,
 )
+from sglang_ecospec_cpu.attention_unified import (
+    extend_attention_fwd_unified,
+    extend_unified_fallback_reason,
+)
+from sglang_ecospec_cpu.extend_batched import extend_uniform, uniform_rows
 from sglang_ecospec_cpu.function_hooks import register_function_hooks
 
 logger = logging.getLogger(__name__)
@@ -183,12 +193,7 @@ def decode_fallback_reason(q, k_buffer, v_buffer, has_mla=False, score_mod=None,
 # --- extend -------------------------------------------------------------------------------
 
 
-def _extend_rows(custom_mask, start: int, rows: int, row_len: int) -> torch.Tensor:
-    """Rows of one request's custom mask: [rows, row_len] bool, row-major from ``start``."""
-    return custom_mask[start : start + rows * row_len].view(rows, row_len) != 0
-
-
-def extend_attention_fwd(
+def extend_per_request(
     q_extend,
     k_extend,
     v_extend,
@@ -242,6 +247,9 @@ def extend_attention_fwd(
     A difference by design: with both ``custom_mask`` and ``is_causal``, the kernel also
     ignores keys past the end of the query's BLOCK_M tile; every mask SGLang builds (tree
     masks) is within that bound, and here the mask alone decides.
+
+    This is the reference, a few tensor operations per request; :func:`extend_attention_fwd`
+    runs :func:`sglang_ecospec_cpu.extend_batched.extend_uniform` where it applies.
     """
     del max_len_extend, page_size, extend_seq_lens_cpu
     dim, dim_v = q_extend.shape[-1], v_extend.shape[-1]
@@ -268,7 +276,7 @@ def extend_attention_fwd(
         query = torch.arange(rows, device=device)
         if use_mask:
             offset = window_offsets[b]
-            mask = _extend_rows(custom_mask, mask_starts[b], rows, prefix_len + rows + offset)[
+            mask = extend_rows(custom_mask, mask_starts[b], rows, prefix_len + rows + offset)[
                 :, offset:
             ]
         keys, values, allowed = [], [], []
@@ -325,118 +333,109 @@ def extend_attention_fwd(
             lse_extend[q_start : q_start + rows, :heads] = lse.T
 
 
-def _extend_uncovered(q, k_buffer, v_buffer, score_mod) -> str | None:
-    """What the extend kernels' PyTorch versions do not cover (None: they do)."""
-    if q.device.type != "cpu":
-        return "tensors not on the CPU"
-    if score_mod is not None:
-        return "score_mod"
-    if k_buffer.ndim != 3 or v_buffer.ndim != 3:
-        return "KV buffer not [slots, heads, dim]"
-    return None
+def extend_attention_fwd(
+    q_extend,
+    k_extend,
+    v_extend,
+    o_extend,
+    k_buffer,
+    v_buffer,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    custom_mask,
+    is_causal,
+    mask_indptr,
+    max_len_extend,
+    k_scale,
+    v_scale,
+    sm_scale=None,
+    logit_cap=0.0,
+    skip_prefix_custom_mask=True,
+    sliding_window_size=-1,
+    sinks=None,
+    window_kv_offsets=None,
+    xai_temperature_len=-1,
+    lse_extend=None,
+    skip_prefix=False,
+    skip_extend=False,
+    page_size: int = 1,
+    score_mod=None,
+    aux_tensors=None,
+    extend_seq_lens_cpu=None,
+    identity_kv_indices: bool = False,
+):
+    """Prefix + extend attention, as SGLang's Triton ``extend_attention_fwd`` (arguments:
+    :func:`extend_per_request`). Requests that all extend by the same number of rows over
+    their whole prefix (a verify, a speculative worker's plain step, a draft extend) run as
+    one batch (:func:`~sglang_ecospec_cpu.extend_batched.extend_uniform`); anything else runs
+    request by request."""
+    batch = qo_indptr.shape[0] - 1
+    window = sliding_window_size if sliding_window_size is not None else -1
+    rows = uniform_rows(qo_indptr.tolist())
+    mask_covered = custom_mask is None or skip_prefix_custom_mask
+    if (
+        rows
+        and window <= 0
+        and xai_temperature_len <= 0
+        and not (skip_prefix or skip_extend or identity_kv_indices)
+        and mask_covered
+    ):
+        extend_uniform(
+            q_extend,
+            k_extend,
+            v_extend,
+            o_extend,
+            k_buffer,
+            v_buffer,
+            kv_indptr,
+            kv_indices,
+            rows=rows,
+            batch=batch,
+            custom_mask=custom_mask,
+            mask_starts=None if custom_mask is None else mask_indptr[:batch].long(),
+            is_causal=is_causal,
+            sm_scale=sm_scale or 1.0 / q_extend.shape[-1] ** 0.5,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            logit_cap=logit_cap,
+            sinks=sinks,
+            lse_extend=lse_extend,
+        )
+        return
+    extend_per_request(
+        q_extend,
+        k_extend,
+        v_extend,
+        o_extend,
+        k_buffer,
+        v_buffer,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        custom_mask,
+        is_causal,
+        mask_indptr,
+        max_len_extend,
+        k_scale,
+        v_scale,
+        sm_scale=sm_scale,
+        logit_cap=logit_cap,
+        skip_prefix_custom_mask=skip_prefix_custom_mask,
+        sliding_window_size=sliding_window_size,
+        sinks=sinks,
+        window_kv_offsets=window_kv_offsets,
+        xai_temperature_len=xai_temperature_len,
+        lse_extend=lse_extend,
+        skip_prefix=skip_prefix,
+        skip_extend=skip_extend,
+        identity_kv_indices=identity_kv_indices,
+    )
 
 
 def extend_fallback_reason(q_extend, k_buffer, v_buffer, score_mod=None, **_) -> str | None:
     """Why :func:`extend_attention_fwd` does not cover a call (None: it does)."""
-    return _extend_uncovered(q_extend, k_buffer, v_buffer, score_mod)
-
-
-def extend_attention_fwd_unified(
-    q,
-    o,
-    k_buffer,
-    v_buffer,
-    k_scale,
-    v_scale,
-    qo_indptr,
-    kv_indptr,
-    kv_indices,
-    prefix_lens,
-    max_len_extend,
-    custom_mask=None,
-    mask_indptr=None,
-    sm_scale=None,
-    logit_cap=0.0,
-    is_causal=True,
-    sliding_window_size=-1,
-    sinks=None,
-    window_start_pos=None,
-    xai_temperature_len=-1,
-    page_size: int = 1,
-    score_mod=None,
-    aux_tensors=None,
-):
-    """One-list extend attention, as SGLang's Triton ``extend_attention_fwd_unified``.
-
-    q: [T, H, D]; o: [T, H, Dv] output, written. Request b's queries are rows
-    ``qo_indptr[b]:qo_indptr[b+1]`` (E), its N keys the pool slots
-    ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]`` (prefix first, then the E new ones; the
-    first ``prefix_lens[b]`` are prefix). Scores ``q.k * sm_scale * k_scale``, output times
-    ``v_scale``. Masks: ``custom_mask`` (request b's E x N cells from ``mask_indptr[b]``),
-    else causal over the new keys (``is_causal``), else none; ``sliding_window_size`` > 0
-    with ``window_start_pos`` [B] (absolute position of key 0; 0 when None) keeps keys
-    within the window. A row with no key gives NaN, as in the kernel (0 / 0).
-    """
-    del max_len_extend, page_size
-    dim, dim_v = q.shape[-1], v_buffer.shape[-1]
-    sm_scale = sm_scale or 1.0 / dim**0.5
-    batch = qo_indptr.shape[0] - 1
-    device = q.device
-    window = sliding_window_size if sliding_window_size is not None else -1
-    qo = qo_indptr.tolist()
-    kvp = kv_indptr[: batch + 1].tolist()
-    prefixes = prefix_lens[:batch].tolist()
-    use_mask = custom_mask is not None
-    mask_starts = mask_indptr[:batch].tolist() if use_mask else None
-    starts = (
-        window_start_pos[:batch].tolist()
-        if window > 0 and window_start_pos is not None
-        else [0] * batch
-    )
-
-    for b in range(batch):
-        q_start, rows = qo[b], qo[b + 1] - qo[b]
-        if rows <= 0:
-            continue
-        n_keys, prefix_len = kvp[b + 1] - kvp[b], prefixes[b]
-        loc = kv_indices[kvp[b] : kvp[b + 1]].long()
-        query = torch.arange(rows, device=device)
-        pos = torch.arange(n_keys, device=device)
-        if use_mask:
-            allow = _extend_rows(custom_mask, mask_starts[b], rows, n_keys)
-        elif is_causal:
-            allow = (pos[None, :] < prefix_len) | (pos[None, :] - prefix_len <= query[:, None])
-        else:
-            allow = torch.ones(rows, n_keys, dtype=torch.bool, device=device)
-        if window > 0:
-            q_pos = starts[b] + prefix_len + query[:, None]
-            k_pos = starts[b] + pos[None, :]
-            allow = allow & (q_pos <= k_pos + window)
-            if not is_causal:
-                allow = allow & (k_pos <= q_pos + window)
-
-        qb = q[q_start : q_start + rows, :, :dim].float()
-        heads = qb.shape[1]
-        k = head_major(k_buffer, loc, dim)
-        v = head_major(v_buffer, loc, dim_v)
-        scores = cap_logits(grouped_scores(qb, k) * (sm_scale * k_scale), logit_cap)
-        if xai_temperature_len > 0:
-            q_index = (prefix_len + query).float()
-            scale = torch.where(
-                q_index < xai_temperature_len,
-                torch.ones_like(q_index),
-                xai_temperature_len / (q_index + 1.0),
-            )
-            scores = scores * scale[None, :, None]
-        scores = scores.masked_fill(~allow[None], float("-inf"))
-        _, p, deno = softmax_parts(scores, sinks)
-        out = grouped_values(p, v) / deno.T[..., None] * v_scale
-        o[q_start : q_start + rows, :heads, :dim_v] = out.to(o.dtype)
-
-
-def extend_unified_fallback_reason(q, k_buffer, v_buffer, score_mod=None, **_) -> str | None:
-    """Why :func:`extend_attention_fwd_unified` does not cover a call (None: it does)."""
-    return _extend_uncovered(q, k_buffer, v_buffer, score_mod)
+    return extend_uncovered(q_extend, k_buffer, v_buffer, score_mod)
 
 
 # --- installation -------------------------------------------------------------------------

@@ -73,3 +73,19 @@ def softmax_parts(scores: torch.Tensor, sinks: torch.Tensor | None):
 
 
 # --- decode -------------------------------------------------------------------------------
+
+
+def extend_rows(custom_mask, start: int, rows: int, row_len: int) -> torch.Tensor:
+    """Rows of one request's custom mask: [rows, row_len] bool, row-major from ``start``."""
+    return custom_mask[start : start + rows * row_len].view(rows, row_len) != 0
+
+
+def extend_uncovered(q, k_buffer, v_buffer, score_mod) -> str | None:
+    """What the extend kernels' PyTorch versions do not cover (None: they do)."""
+    if q.device.type != "cpu":
+        return "tensors not on the CPU"
+    if score_mod is not None:
+        return "score_mod"
+    if k_buffer.ndim != 3 or v_buffer.ndim != 3:
+        return "KV buffer not [slots, heads, dim]"
+    return None

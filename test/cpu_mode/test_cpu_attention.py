@@ -133,7 +133,21 @@ EXTEND_CASES = [
         dict(logit_cap=3.0, sinks=True, k_scale=0.8, v_scale=1.2, xai=10, lse=True),
     ),
     ("skip_extend_lse", [9, 0, 5], [2, 3, 1], 4, 2, 64, dict(skip_extend=True, lse=True)),
+    # Every request extends by the same rows: the batched path (extend_batched).
+    ("uniform_tree_mask_lse", [12, 70, 0, 3], [5, 5, 5, 5], 9, 3, 64, dict(mask=True, lse=True)),
+    ("uniform_one_row", [31, 1, 64], [1, 1, 1], 6, 2, 64, dict(mask=True)),
+    ("uniform_causal", [0, 10, 37], [4, 4, 4], 6, 2, 64, {}),
+    (
+        "uniform_non_causal_cap_sink_scales_lse",
+        [6, 0, 15],
+        [3, 3, 3],
+        4,
+        4,
+        48,
+        dict(causal=False, logit_cap=3.0, sinks=True, k_scale=0.8, v_scale=1.2, lse=True),
+    ),
 ]
+UNIFORM = [case for case in EXTEND_CASES if case[0].startswith("uniform")]
 
 
 def windowed_kwargs(options, heads, dim, gen):
@@ -324,6 +338,59 @@ def test_extend_with_tree_mask_matches_a_per_query_softmax():
                 values = torch.cat([v_buffer[loc, kh], v[qo_indptr[b] : qo_indptr[b + 1], kh]])
                 expected = naive_attention(q[t, h], keys, values, rows[i], kwargs["sm_scale"])
                 torch.testing.assert_close(o[t, h], expected, **TOL)
+
+
+@pytest.mark.parametrize("case", UNIFORM, ids=[case[0] for case in UNIFORM])
+def test_batched_extend_matches_the_per_request_reference(case, monkeypatch):
+    from sglang_ecospec_cpu import extend_batched
+
+    calls = []
+    real = attention.extend_uniform
+    monkeypatch.setattr(
+        attention, "extend_uniform", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    for seed in range(3):
+        args, kwargs = extend_inputs(case, seed=seed)
+        ref_args, ref_kwargs = extend_inputs(case, seed=seed)
+        attention.extend_attention_fwd(*args, **kwargs)
+        attention.extend_per_request(*ref_args, **ref_kwargs)
+        assert_outputs_close(
+            ("o", "lse"),
+            extend_outputs(ref_args, ref_kwargs),
+            extend_outputs(args, kwargs),
+            case[0],
+        )
+    assert len(calls) == 3  # the batched path ran
+    assert extend_batched.uniform_rows([0, 2, 4, 6]) == 2
+    assert extend_batched.uniform_rows([0, 2, 3]) == 0 and extend_batched.uniform_rows([0, 0]) == 0
+
+
+@pytest.mark.parametrize(
+    "case",
+    [c for c in EXTEND_CASES if c not in UNIFORM][:1]
+    + [
+        (
+            "uniform_but_prefix_mask",
+            [8, 20],
+            [4, 4],
+            4,
+            2,
+            64,
+            dict(mask=True, prefix_density=0.6, skip_prefix_custom_mask=False),
+        ),
+        ("uniform_but_window", [40, 9], [3, 3], 6, 2, 64, dict(window=8)),
+        ("uniform_but_xai", [30, 4], [3, 3], 6, 3, 64, dict(xai=10)),
+        ("uniform_but_skip_extend", [9, 5], [2, 2], 4, 2, 64, dict(skip_extend=True)),
+    ],
+    ids=lambda case: case[0],
+)
+def test_what_the_batched_extend_does_not_cover_runs_per_request(case, monkeypatch):
+    monkeypatch.setattr(attention, "extend_uniform", None)  # would raise if called
+    args, kwargs = extend_inputs(case, seed=2)
+    ref_args, ref_kwargs = extend_inputs(case, seed=2)
+    attention.extend_attention_fwd(*args, **kwargs)
+    attention.extend_per_request(*ref_args, **ref_kwargs)
+    assert torch.equal(args[3], ref_args[3])
 
 
 def test_decode_uses_kernel_split_layout():
