@@ -370,6 +370,7 @@ def extend_attention_fwd(
     their whole prefix (a verify, a speculative worker's plain step, a draft extend) run as
     one batch (:func:`~sglang_ecospec_cpu.extend_batched.extend_uniform`); anything else runs
     request by request."""
+    arguments = dict(locals())  # the parameters, as called: the fallback takes them all
     batch = qo_indptr.shape[0] - 1
     window = sliding_window_size if sliding_window_size is not None else -1
     rows = uniform_rows(qo_indptr.tolist())
@@ -403,34 +404,7 @@ def extend_attention_fwd(
             lse_extend=lse_extend,
         )
         return
-    extend_per_request(
-        q_extend,
-        k_extend,
-        v_extend,
-        o_extend,
-        k_buffer,
-        v_buffer,
-        qo_indptr,
-        kv_indptr,
-        kv_indices,
-        custom_mask,
-        is_causal,
-        mask_indptr,
-        max_len_extend,
-        k_scale,
-        v_scale,
-        sm_scale=sm_scale,
-        logit_cap=logit_cap,
-        skip_prefix_custom_mask=skip_prefix_custom_mask,
-        sliding_window_size=sliding_window_size,
-        sinks=sinks,
-        window_kv_offsets=window_kv_offsets,
-        xai_temperature_len=xai_temperature_len,
-        lse_extend=lse_extend,
-        skip_prefix=skip_prefix,
-        skip_extend=skip_extend,
-        identity_kv_indices=identity_kv_indices,
-    )
+    extend_per_request(**arguments)
 
 
 def extend_fallback_reason(q_extend, k_buffer, v_buffer, score_mod=None, **_) -> str | None:
