@@ -29,7 +29,6 @@ import logging
 
 import torch
 
-from sgl_ecospec.ops.options import SelectionOptions
 from sglang_ecospec import acceptance
 from sglang_ecospec.deployment import num_candidates
 
@@ -293,7 +292,7 @@ def plugin_memory_bytes(
         ep_placement=ep_placement,
         context=context,
         live_recall=settings.recall_weighted_cost,
-        stops_short=SelectionOptions(**settings.selection_fields()).stops_short,
+        stops_short=settings.policy == "adaptive" or settings.min_score > 0,
     )
     sizes = {"batch": max_batch, "num_draft_tokens": num_draft_tokens}
     step = selection_step_bytes(
