@@ -33,6 +33,7 @@ G = H // Hkv, D = q/k head dim, Dv = v head dim, T = query tokens of the batch,
 S = ``max_kv_splits``, N = keys of one request.
 """
 
+import inspect
 import logging
 
 import torch
@@ -41,10 +42,8 @@ from sglang_ecospec_cpu.attention_math import (
     cap_logits,
     extend_rows,
     extend_uncovered,
-    grouped_scores,
-    grouped_values,
     head_major,
-    softmax_parts,
+    masked_attention,
     xai_log_scale,
 )
 from sglang_ecospec_cpu.attention_unified import (
@@ -319,92 +318,65 @@ def extend_per_request(
             k = q.new_zeros(kv_heads, 0, dim)
             v = q.new_zeros(kv_heads, 0, dim_v)
             allow = torch.zeros(rows, 0, dtype=torch.bool, device=device)
-        scores = cap_logits(grouped_scores(q, k) * sm_scale, logit_cap)
+        temperature = None
         if xai_temperature_len > 0:
-            scale = xai_log_scale(prefix_len + query, xai_temperature_len)
-            scores = scores * scale[None, :, None]
-        scores = scores.masked_fill(~allow[None], float("-inf"))
-        row_max, p, deno = softmax_parts(scores, sinks)
+            temperature = xai_log_scale(prefix_len + query, xai_temperature_len)
+        weighted, row_max, deno = masked_attention(
+            q, k, v, allow, sm_scale, logit_cap, sinks, temperature
+        )
         no_kv = deno == 0.0
-        out = grouped_values(p, v) / torch.where(no_kv, 1.0, deno).T[..., None]
+        out = weighted / torch.where(no_kv, 1.0, deno).T[..., None]
         o_extend[q_start : q_start + rows, :heads, :dim_v] = out.to(o_extend.dtype)
         if lse_extend is not None:
             lse = torch.where(no_kv, float("-inf"), torch.log(deno) + row_max)
             lse_extend[q_start : q_start + rows, :heads] = lse.T
 
 
-def extend_attention_fwd(
-    q_extend,
-    k_extend,
-    v_extend,
-    o_extend,
-    k_buffer,
-    v_buffer,
-    qo_indptr,
-    kv_indptr,
-    kv_indices,
-    custom_mask,
-    is_causal,
-    mask_indptr,
-    max_len_extend,
-    k_scale,
-    v_scale,
-    sm_scale=None,
-    logit_cap=0.0,
-    skip_prefix_custom_mask=True,
-    sliding_window_size=-1,
-    sinks=None,
-    window_kv_offsets=None,
-    xai_temperature_len=-1,
-    lse_extend=None,
-    skip_prefix=False,
-    skip_extend=False,
-    page_size: int = 1,
-    score_mod=None,
-    aux_tensors=None,
-    extend_seq_lens_cpu=None,
-    identity_kv_indices: bool = False,
-):
+# The hooked name takes SGLang's parameters exactly (``function_hooks.same_parameters``):
+# those of the reference, which it hands any call the batched pass does not cover.
+EXTEND_PARAMETERS = inspect.signature(extend_per_request)
+# The arguments the batched pass takes as they come.
+UNIFORM_PASSED_ON = (
+    "q_extend k_extend v_extend o_extend k_buffer v_buffer kv_indptr kv_indices is_causal "
+    "k_scale v_scale logit_cap sinks lse_extend"
+).split()
+
+
+def extend_attention_fwd(*args, **kwargs):
     """Prefix + extend attention, as SGLang's Triton ``extend_attention_fwd`` (arguments:
     :func:`extend_per_request`). Requests that all extend by the same number of rows over
     their whole prefix (a verify, a speculative worker's plain step, a draft extend) run as
     one batch (:func:`~sglang_ecospec_cpu.extend_batched.extend_uniform`); anything else runs
     request by request."""
-    arguments = dict(locals())  # the parameters, as called: the fallback takes them all
-    batch = qo_indptr.shape[0] - 1
-    window = sliding_window_size if sliding_window_size is not None else -1
-    rows = uniform_rows(qo_indptr.tolist())
-    mask_covered = custom_mask is None or skip_prefix_custom_mask
+    call = EXTEND_PARAMETERS.bind(*args, **kwargs)
+    call.apply_defaults()
+    a = call.arguments
+    batch = a["qo_indptr"].shape[0] - 1
+    window = a["sliding_window_size"] if a["sliding_window_size"] is not None else -1
+    rows = uniform_rows(a["qo_indptr"].tolist())
+    custom_mask = a["custom_mask"]
     if (
-        rows
-        and window <= 0
-        and xai_temperature_len <= 0
-        and not (skip_prefix or skip_extend or identity_kv_indices)
-        and mask_covered
+        not rows
+        or window > 0
+        or a["xai_temperature_len"] > 0
+        or a["skip_prefix"]
+        or a["skip_extend"]
+        or a["identity_kv_indices"]
+        or not (custom_mask is None or a["skip_prefix_custom_mask"])
     ):
-        extend_uniform(
-            q_extend,
-            k_extend,
-            v_extend,
-            o_extend,
-            k_buffer,
-            v_buffer,
-            kv_indptr,
-            kv_indices,
-            rows=rows,
-            batch=batch,
-            custom_mask=custom_mask,
-            mask_starts=None if custom_mask is None else mask_indptr[:batch].long(),
-            is_causal=is_causal,
-            sm_scale=sm_scale or 1.0 / q_extend.shape[-1] ** 0.5,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            logit_cap=logit_cap,
-            sinks=sinks,
-            lse_extend=lse_extend,
-        )
+        extend_per_request(*args, **kwargs)
         return
-    extend_per_request(**arguments)
+    extend_uniform(
+        **{name: a[name] for name in UNIFORM_PASSED_ON},
+        rows=rows,
+        batch=batch,
+        custom_mask=custom_mask,
+        mask_starts=None if custom_mask is None else a["mask_indptr"][:batch].long(),
+        sm_scale=a["sm_scale"] or 1.0 / a["q_extend"].shape[-1] ** 0.5,
+    )
+
+
+extend_attention_fwd.__signature__ = EXTEND_PARAMETERS
 
 
 def extend_fallback_reason(q_extend, k_buffer, v_buffer, score_mod=None, **_) -> str | None:

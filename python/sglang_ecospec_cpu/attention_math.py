@@ -1,6 +1,6 @@
 """The tensor pieces the PyTorch attention kernels share (:mod:`sglang_ecospec_cpu.attention`):
 logit cap, xai temperature scale, head-major gathers, grouped-query products, softmax with
-sinks. Shape legend: as :mod:`sglang_ecospec_cpu.attention`.
+sinks, one request's masked attention. Shape legend: as :mod:`sglang_ecospec_cpu.attention`.
 """
 
 import math
@@ -70,6 +70,31 @@ def softmax_parts(scores: torch.Tensor, sinks: torch.Tensor | None):
     if sinks is not None:
         deno = deno + torch.exp(sinks.float()[:, None] - row_max)
     return row_max, p, deno
+
+
+def masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allow: torch.Tensor,
+    scale: float,
+    logit_cap: float,
+    sinks: torch.Tensor | None,
+    temperature: torch.Tensor | None = None,
+):
+    """One request's attention over its gathered keys, left unnormalised so that each
+    kernel divides as its Triton version does (a row without keys: 0 or NaN).
+
+    q: [E, H, D] fp32; k: [Hkv, N, D], v: [Hkv, N, Dv] fp32; allow: [E, N] bool;
+    temperature: [E] fp32 per-query factor on the capped scores, or None. Scores are
+    ``q.k * scale``, soft-capped. Returns ``(weighted [E, H, Dv], row_max [H, E],
+    deno [H, E])``: the output is ``weighted / deno``."""
+    scores = cap_logits(grouped_scores(q, k) * scale, logit_cap)
+    if temperature is not None:
+        scores = scores * temperature[None, :, None]
+    scores = scores.masked_fill(~allow[None], float("-inf"))
+    row_max, p, deno = softmax_parts(scores, sinks)
+    return grouped_values(p, v), row_max, deno
 
 
 # --- decode -------------------------------------------------------------------------------

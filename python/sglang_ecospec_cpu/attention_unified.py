@@ -6,13 +6,10 @@ mode (:mod:`sglang_ecospec_cpu.attention` installs it). Shape legend: as that mo
 import torch
 
 from sglang_ecospec_cpu.attention_math import (
-    cap_logits,
     extend_rows,
     extend_uncovered,
-    grouped_scores,
-    grouped_values,
     head_major,
-    softmax_parts,
+    masked_attention,
 )
 
 
@@ -94,18 +91,18 @@ def extend_attention_fwd_unified(
         heads = qb.shape[1]
         k = head_major(k_buffer, loc, dim)
         v = head_major(v_buffer, loc, dim_v)
-        scores = cap_logits(grouped_scores(qb, k) * (sm_scale * k_scale), logit_cap)
-        if xai_temperature_len > 0:
+        temperature = None
+        if xai_temperature_len > 0:  # this kernel's own scale, unlike the others' log2
             q_index = (prefix_len + query).float()
-            scale = torch.where(
+            temperature = torch.where(
                 q_index < xai_temperature_len,
                 torch.ones_like(q_index),
                 xai_temperature_len / (q_index + 1.0),
             )
-            scores = scores * scale[None, :, None]
-        scores = scores.masked_fill(~allow[None], float("-inf"))
-        _, p, deno = softmax_parts(scores, sinks)
-        out = grouped_values(p, v) / deno.T[..., None] * v_scale
+        weighted, _, deno = masked_attention(
+            qb, k, v, allow, sm_scale * k_scale, logit_cap, sinks, temperature
+        )
+        out = weighted / deno.T[..., None] * v_scale
         o[q_start : q_start + rows, :heads, :dim_v] = out.to(o.dtype)
 
 
