@@ -146,6 +146,25 @@ def test_sharegpt_file_is_what_sglang_reads(tmp_path):
     assert all(r.prompt.startswith("<|im_start|>system") for r in rows)
 
 
+def test_warmup_prompt_shares_the_measured_prompts_template_head(tmp_path):
+    """The warmup puts what every measured prompt starts with in the prefix cache."""
+    from sglang_ecospec_cpu.tiny import load_smollm2_tokenizer
+
+    path = tmp_path / "mt.json"
+    tokenizer = load_smollm2_tokenizer()
+    bench_serving.write_sharegpt_file("mt-bench", 4, 0, path, tokenizer)
+    prompts = [
+        tokenizer.encode(r["conversations"][0]["value"]) for r in json.loads(path.read_text())
+    ]
+    warmup = tokenizer.encode(bench_serving.warmup_prompt(tokenizer))
+    head = 0
+    while all(len(p) > head and p[head] == prompts[0][head] for p in prompts):
+        head += 1
+    assert head >= 10  # the system turn and the user header
+    assert warmup[:head] == prompts[0][:head]
+    assert warmup != prompts[0][: len(warmup)]  # the head only, no measured prompt itself
+
+
 def test_table_marks_missing_values():
     table = report.format_table(
         [

@@ -51,7 +51,12 @@ from sgl_ecospec.lab.serving.server_memory import resolve_server_mode
 from sgl_ecospec.ops.selection import SelectionOptions
 
 ALGORITHMS = ("none", "eagle3", "ecospec-confidence", "ecospec")
-WARMUP_PROMPT = "Hello"
+# The warmup's user message, rendered with the chat template like every measured prompt: the
+# template's shared head then sits in each server's prefix cache before the measured window,
+# as in a server that has been serving. Without it the cache hit depends on the scheduler
+# (the plain server's and ECOSPEC's overlap scheduler plan the batch before the first
+# prompt's prefix is cached, EAGLE3's synchronous one after) rather than on the algorithm.
+WARMUP_MESSAGE = "Hello"
 DATASETS = ("mt-bench", "sharegpt")
 TESTBEDS = ("small", "full", "bandwidth")
 SERVER_MODES = ("auto", "together", "one-at-a-time")
@@ -326,11 +331,22 @@ def run_client(cfg: dict, server: LocalServer, dataset_file: Path, concurrency: 
     return json.loads(out.read_text().strip().splitlines()[-1])
 
 
-def measure(cfg: dict, server: LocalServer, algorithm: str, concurrency: int, dataset_file, out):
-    """One phase: a warmup request, then ``sglang.bench_serving`` at ``concurrency``; the
-    phase's record (throughput and latencies from the client, acceptance from the server's
-    counters, EcoSpec's statistics from its log lines of the phase)."""
-    server.generate(WARMUP_PROMPT, 4)
+def warmup_prompt(tokenizer) -> str:
+    """The warmup request's text: :data:`WARMUP_MESSAGE` chat-rendered as the dataset's
+    prompts are (:func:`write_sharegpt_file`), so it shares their template head."""
+    from sgl_ecospec.lab.datasets import render_chat_text
+
+    return render_chat_text(tokenizer, WARMUP_MESSAGE)
+
+
+def measure(
+    cfg: dict, server: LocalServer, algorithm: str, concurrency: int, dataset_file, out, warmup
+):
+    """One phase: a warmup request (``warmup``, :func:`warmup_prompt`), then
+    ``sglang.bench_serving`` at ``concurrency``; the phase's record (throughput and latencies
+    from the client, acceptance from the server's counters, EcoSpec's statistics from its log
+    lines of the phase)."""
+    server.generate(warmup, 4)
     offset = server.log_size()
     counters = server.metrics()
     t0 = time.monotonic()
@@ -382,6 +398,7 @@ def run(cfg: dict, work: Path, log=print) -> list[dict]:
 
     tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
     write_sharegpt_file(cfg["dataset"], cfg["num_prompts"], cfg["seed"], dataset_file, tokenizer)
+    warmup = warmup_prompt(tokenizer)
     measured: dict[tuple[str, int], list[dict]] = {}
     with contextlib.ExitStack() as servers_up:
         servers = {}
@@ -399,7 +416,9 @@ def run(cfg: dict, work: Path, log=print) -> list[dict]:
                 with turn as server:
                     for concurrency in cfg["concurrency"]:
                         out = work / f"client-{algorithm}-c{concurrency}-r{round_}.jsonl"
-                        record = measure(cfg, server, algorithm, concurrency, dataset_file, out)
+                        record = measure(
+                            cfg, server, algorithm, concurrency, dataset_file, out, warmup
+                        )
                         measured.setdefault((algorithm, concurrency), []).append(record)
                         log(
                             f"[bench_serving] round {round_}/{cfg['rounds']} {algorithm} "
