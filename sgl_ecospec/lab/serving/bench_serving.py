@@ -39,7 +39,7 @@ from sgl_ecospec.lab.serving.local_server import (
     ecospec_log_summary,
     gpu_present,
 )
-from sgl_ecospec.lab.serving.predicted import add_predictions
+from sgl_ecospec.lab.serving.predicted import add_predictions, load_profile
 from sgl_ecospec.lab.serving.report import (
     add_speed_ratios,
     combine,
@@ -429,17 +429,6 @@ def run(cfg: dict, work: Path, log=print) -> list[dict]:
     add_speed_ratios(runs)
     compare_outputs(runs, measured)
     return runs
-
-
-def load_profile(path: str):
-    """The calibration profile's fitted model; ValueError (a message for the operator) on a
-    bad file."""
-    from sgl_ecospec.costmodel.calibration import CalibrationFileError, CalibrationProfile
-
-    try:
-        return CalibrationProfile.load(path).performance_model()
-    except CalibrationFileError as exc:
-        raise ValueError(f"--profile: {exc}") from None
 
 
 def predict_from(json_path: str, profile: str) -> int:

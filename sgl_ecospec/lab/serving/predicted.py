@@ -79,3 +79,14 @@ def add_predictions(runs: list[dict], cfg: dict, perf: PerformanceModel) -> None
         record["tpot_error"] = (
             (predicted - measured) / measured if predicted is not None and measured else None
         )
+
+
+def load_profile(path: str):
+    """The calibration profile's fitted model; ValueError (a message for the operator) on a
+    bad file."""
+    from sgl_ecospec.costmodel.calibration import CalibrationFileError, CalibrationProfile
+
+    try:
+        return CalibrationProfile.load(path).performance_model()
+    except CalibrationFileError as exc:
+        raise ValueError(f"--profile: {exc}") from None
