@@ -247,14 +247,7 @@ def draft_samples(
     samples, text_samples = [], []
     if spec.prompts:
         prompts = draft_prompts(tokenizer, convs, spec)
-        samples = draft_training.generate(
-            model,
-            prompts,
-            max_new_tokens=spec.max_new_tokens,
-            batch=spec.gen_batch,
-            aux_layer_ids=spec.aux_layer_ids,
-            soft_top_k=spec.soft_top_k,
-        )
+        samples = draft_training.training_samples(model, prompts, spec)
     if spec.text_chunks:
         chunks = draft_text(tokenizer, convs, spec, chunk_len)
         text_samples = draft_training.read_text(

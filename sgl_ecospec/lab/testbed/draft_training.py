@@ -88,6 +88,20 @@ def generate(
     return samples
 
 
+def training_samples(model: nn.Module, prompts: list[list[int]], spec: DraftSpec) -> list[Sample]:
+    """The draft's training answers: :func:`generate` at the spec's answer length, batch,
+    aux layers and soft targets (one definition for the build and the shipped draft's
+    training)."""
+    return generate(
+        model,
+        prompts,
+        max_new_tokens=spec.max_new_tokens,
+        batch=spec.gen_batch,
+        aux_layer_ids=spec.aux_layer_ids,
+        soft_top_k=spec.soft_top_k,
+    )
+
+
 def _generate_batch(model, prompts, max_new_tokens, aux_layer_ids, soft_top_k) -> list[Sample]:
     from transformers import DynamicCache
 

@@ -76,14 +76,8 @@ def make_data(work: Path, spec=SHIPPED_DRAFT) -> dict:
             path = work / "data" / f"gen-{part:03d}.pt"
             if path.is_file():
                 continue
-            samples = draft_training.generate(
-                target.model,
-                prompts[first : first + GEN_PART],
-                max_new_tokens=spec.max_new_tokens,
-                batch=spec.gen_batch,
-                aux_layer_ids=spec.aux_layer_ids,
-                soft_top_k=spec.soft_top_k,
-            )
+            part_prompts = prompts[first : first + GEN_PART]
+            samples = draft_training.training_samples(target.model, part_prompts, spec)
             _save_samples(samples, path)
             done = min(first + GEN_PART, len(prompts))
             _log(f"  answered {done}/{len(prompts)} prompts ({time.perf_counter() - start:.0f}s)")
