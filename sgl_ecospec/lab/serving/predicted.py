@@ -81,7 +81,7 @@ def add_predictions(runs: list[dict], cfg: dict, perf: PerformanceModel) -> None
         )
 
 
-def load_profile(path: str):
+def load_profile(path: str) -> PerformanceModel:
     """The calibration profile's fitted model; ValueError (a message for the operator) on a
     bad file."""
     from sgl_ecospec.costmodel.calibration import CalibrationFileError, CalibrationProfile
