@@ -34,7 +34,7 @@ from sgl_ecospec.costmodel import (
 )
 from sgl_ecospec.costmodel.calibration import CalibrationProfile
 from sgl_ecospec.ops.options import SelectionOptions
-from sglang_ecospec.settings import is_calibration_file
+from sglang_ecospec.settings import EcoSpecSettings, is_calibration_file
 
 logger = logging.getLogger(__name__)
 
@@ -82,19 +82,21 @@ class EpsTable:
 
 
 class BatchOptions:
-    """The selection options of each batch size: the settings' fixed fields
-    (``EcoSpecSettings.selection_fields``) and, with eps "auto", the batch's bucket of the
-    cost model (``table``): its eps and, for "adaptive", its step cost and candidate costs.
-    One checked :class:`SelectionOptions` per bucket, built on first use, so a decode step
-    neither rebuilds nor re-checks its options.
+    """The selection options of each batch size: the settings' own ``selection`` when eps is
+    a number; with eps "auto", the settings' fixed fields (``selection_fields``) and the
+    batch's bucket of the cost model (``table``): its eps and, for "adaptive", its step cost
+    and candidate costs. One checked :class:`SelectionOptions` per bucket, built on first
+    use, so a decode step neither rebuilds nor re-checks its options.
     """
 
-    def __init__(self, fields: dict, table: EpsTable | None):
-        if ("eps" in fields) == (table is not None):
+    def __init__(self, settings: EcoSpecSettings, table: EpsTable | None):
+        if settings.eps_auto != (table is not None):
             raise ValueError("eps comes from the settings or from the eps table, never both")
-        self.fields = fields
+        self.fields = settings.selection_fields()
         self.table = table
         self._by_bucket: dict[int, SelectionOptions] = {}
+        if table is None:
+            self._by_bucket[0] = settings.selection
 
     def __call__(self, batch: int) -> SelectionOptions:
         """The options for a batch of ``batch`` requests."""
@@ -106,8 +108,6 @@ class BatchOptions:
         return options
 
     def _bucket_fields(self, batch: int) -> dict:
-        if self.table is None:
-            return {}
         fields = {"eps": self.table.lookup(batch)}
         if self.fields["policy"] == "adaptive":
             cost, decay = self.table.candidate_cost(batch)

@@ -29,6 +29,7 @@ import logging
 
 import torch
 
+from sgl_ecospec.ops import options
 from sglang_ecospec import acceptance
 from sglang_ecospec.deployment import num_candidates
 
@@ -292,7 +293,7 @@ def plugin_memory_bytes(
         ep_placement=ep_placement,
         context=context,
         live_recall=settings.recall_weighted_cost,
-        stops_short=settings.policy == "adaptive" or settings.min_score > 0,
+        stops_short=options.stops_short(settings.policy, settings.min_score),
     )
     sizes = {"batch": max_batch, "num_draft_tokens": num_draft_tokens}
     step = selection_step_bytes(

@@ -220,7 +220,7 @@ class EcoSpecSelector:
         self.placement = placement
         self.tp_sync = tp_sync
         self.acceptance = acceptance
-        self.options_for = BatchOptions(settings.selection_fields(), eps_table)
+        self.options_for = BatchOptions(settings, eps_table)
         # The options of a batch of one: what every batch size shares (policy, floor, EP
         # weight) is read from them.
         self.options = self.options_for(1)

@@ -15,10 +15,8 @@ processes inherit the environment).
 """
 
 import dataclasses
-import json
 import math
 import os
-import typing
 from typing import Any
 
 from sgl_ecospec.costmodel.calibration import CalibrationFileError, CalibrationProfile
@@ -28,9 +26,11 @@ from sgl_ecospec.ops.options import (
     ADAPTIVE_EP_TOTAL_WEIGHT,
     DEFAULT_EPS,
     SERVED_MIN_SCORE,
+    SERVED_SHARE_BUFFER,
     SelectionOptions,
 )
 from sgl_ecospec.predictors.catalog import ONLINE_PREDICTORS
+from sglang_ecospec.setting_values import EcoSpecSettingsError, check_type, parse, read_file
 
 ENV_PREFIX = "SGLANG_ECOSPEC_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
@@ -48,10 +48,6 @@ CALIBRATION_GRID = (
     "calibrate_unique_experts",
     "calibrate_repeats",
 )
-
-
-class EcoSpecSettingsError(ValueError):
-    """An EcoSpec setting is missing, unknown or out of range (the message says which)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +151,9 @@ class EcoSpecSettings:
             (:class:`sgl_ecospec.gate.GateOptions`).
         gate_probe_budget: the largest share of a bucket's time its probes may lose, in
             (0, 1]; probes of a mode that loses by far come less often.
+        selection: derived, not set: the checked ``SelectionOptions`` of policy, eps,
+            share_buffer, total_weight and min_score, which every batch selects with; None
+            with eps "auto" (``eps_table.BatchOptions`` builds one per batch-size bucket).
     """
 
     policy: str = "ecospec"
@@ -167,7 +166,7 @@ class EcoSpecSettings:
     calibrate_unique_experts: str | None = None
     calibrate_repeats: int | None = None
     calibrate_timeout: float = 1800.0
-    share_buffer: bool = True
+    share_buffer: bool = SERVED_SHARE_BUFFER
     ep_cost: bool = True
     total_weight: float | None = None
     predictor: str = "online"
@@ -188,6 +187,7 @@ class EcoSpecSettings:
     gate_probe_steps: int = GateOptions.probe_steps
     gate_min_samples: int = GateOptions.min_samples
     gate_probe_budget: float = GateOptions.probe_budget
+    selection: SelectionOptions | None = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.policy == "adaptive" and self.eps != AUTO:
@@ -220,10 +220,11 @@ class EcoSpecSettings:
         if self.eps_auto:
             fields.pop("policy")
         try:
-            SelectionOptions(**fields)
+            selection = SelectionOptions(**fields)
         except (TypeError, ValueError) as exc:
             hint = f" (eps may also be {AUTO!r})" if str(exc).startswith("eps") else ""
             raise EcoSpecSettingsError(f"{exc}{hint}") from None
+        object.__setattr__(self, "selection", None if self.eps_auto else selection)
         if self.predictor not in PREDICTORS:
             raise EcoSpecSettingsError(
                 f"predictor must be one of {PREDICTORS}, got {self.predictor!r}"
@@ -377,8 +378,8 @@ class EcoSpecSettings:
         values: dict[str, Any] = {}
         path = environ.get(CONFIG_ENV)
         if path:
-            values.update(_read_file(path))
-        fields = {f.name: f for f in dataclasses.fields(cls)}
+            values.update(read_file(path, CONFIG_ENV))
+        fields = _setting_fields()
         for key, raw in environ.items():
             if not key.startswith(ENV_PREFIX) or key == CONFIG_ENV:
                 continue
@@ -393,23 +394,29 @@ class EcoSpecSettings:
                     + ", ".join(ENV_PREFIX + n.upper() for n in fields)
                     + f", {CONFIG_ENV}"
                 )
-            values[name] = _parse(key, raw, fields[name].type)
+            values[name] = parse(key, raw, fields[name].type)
         return cls._build(values, source=f"{path} and environment" if path else "environment")
 
     @classmethod
     def _build(cls, values: dict[str, Any], source: str) -> "EcoSpecSettings":
-        fields = {f.name: f for f in dataclasses.fields(cls)}
+        fields = _setting_fields()
         unknown = sorted(set(values) - set(fields))
         if unknown:
             raise EcoSpecSettingsError(
                 f"unknown EcoSpec settings {unknown} in {source}; known: {sorted(fields)}"
             )
         for name, value in values.items():
-            _check_type(name, value, fields[name].type, source)
+            check_type(name, value, fields[name].type, source)
         return cls(**values)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The settings as given (what the log shows), without the derived ``selection``."""
+        return {name: getattr(self, name) for name in _setting_fields()}
+
+
+def _setting_fields() -> dict[str, dataclasses.Field]:
+    """The fields a user sets (not the derived ones), by name."""
+    return {f.name: f for f in dataclasses.fields(EcoSpecSettings) if f.init}
 
 
 def calibration_sizes(name: str, text: str) -> tuple[int, ...]:
@@ -432,62 +439,3 @@ def is_calibration_file(profile: str) -> bool:
     if profile.strip().lower() in MODELS:
         return False
     return os.path.exists(profile) or os.sep in profile or profile.endswith(".json")
-
-
-def _read_file(path: str) -> dict:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise EcoSpecSettingsError(f"{CONFIG_ENV}={path!r}: no such file") from None
-    except json.JSONDecodeError as exc:
-        raise EcoSpecSettingsError(f"{CONFIG_ENV}={path!r} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise EcoSpecSettingsError(f"{CONFIG_ENV}={path!r} must hold a JSON object")
-    return data
-
-
-_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
-
-
-def _kind(type_: Any) -> tuple[tuple[type, ...], bool]:
-    """(base types, accepts None) of a field annotation: ``float``, ``str | None`` or
-    ``float | str`` (tried in that order when parsing)."""
-    if isinstance(type_, type):
-        return (type_,), False
-    args = typing.get_args(type_)
-    return tuple(a for a in args if a is not type(None)), type(None) in args
-
-
-def _type_names(bases: tuple[type, ...]) -> str:
-    return " or ".join(base.__name__ for base in bases)
-
-
-def _parse(key: str, raw: str, type_: Any) -> Any:
-    bases, optional = _kind(type_)
-    text = raw.strip()
-    if optional and text.lower() in ("", "none"):
-        return None
-    for base in bases:
-        if base is bool:
-            if text.lower() in _TRUE | _FALSE:
-                return text.lower() in _TRUE
-            continue
-        try:
-            return base(text)
-        except ValueError:
-            continue
-    raise EcoSpecSettingsError(f"{key}={raw!r} is not a valid {_type_names(bases)}")
-
-
-def _check_type(name: str, value: Any, type_: Any, source: str) -> None:
-    bases, optional = _kind(type_)
-    if value is None and optional:
-        return
-    for base in bases:
-        accepted = (int, float) if base is float else (base,)
-        if isinstance(value, accepted) and (base is bool or not isinstance(value, bool)):
-            return
-    raise EcoSpecSettingsError(
-        f"EcoSpec setting {name!r} from {source} must be {_type_names(bases)}, got {value!r}"
-    )

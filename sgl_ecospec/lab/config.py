@@ -18,7 +18,12 @@ from sgl_ecospec.costmodel.profiles import HARDWARE, MODELS, get_hardware, get_m
 from sgl_ecospec.lab.command_line import parse_positive_ints
 from sgl_ecospec.lab.testbed import build as testbed_build
 from sgl_ecospec.lab.testbed.recipe import RECIPES, build_dir
-from sgl_ecospec.ops.options import POLICIES, SERVED_MIN_SCORE, SelectionOptions
+from sgl_ecospec.ops.options import (
+    POLICIES,
+    SERVED_MIN_SCORE,
+    SERVED_SHARE_BUFFER,
+    SelectionOptions,
+)
 from sgl_ecospec.predictors.catalog import ONLINE_PREDICTORS
 
 # The peers of ../shared/docs/PEERS.md as benchmark policies (docs/bench.md, "Peers"):
@@ -147,7 +152,7 @@ class BenchConfig(_Config):
     predictor: str = "online"
     predictor_file: str | None = None
     eps: float = SelectionOptions.eps
-    share_buffer: bool = True
+    share_buffer: bool = SERVED_SHARE_BUFFER
     calibrated_acceptance: bool = False
     recall_weighted_cost: bool = True
     min_score: float | None = None
@@ -276,7 +281,7 @@ class SweepConfig(_Config):
     steps: int = 3
     candidates: int = dataclasses.field(init=False)
     budget: int = 4
-    share_buffer: bool = True
+    share_buffer: bool = SERVED_SHARE_BUFFER
     predictor: str = "online"
     predictor_file: str | None = None
     paired: bool = False

@@ -18,6 +18,10 @@ DEFAULT_EPS = 0.1
 # the defaults sweep measured it below confidence's line at equal acceptance (docs/RESULTS.md,
 # "Defaults"). The op's own default stays 0 (no floor), so a direct call selects as published.
 SERVED_MIN_SCORE = 0.2
+# SGLang's EAGLE-3 serves a batch's verify in one pass, so the plugin, the offline engine, the
+# bench and the sweep account one expert buffer for the batch unless told otherwise; the op's
+# own default stays a buffer per request.
+SERVED_SHARE_BUFFER = True
 # In the order of the C++ ``Policy`` enum (csrc/selection_core.h).
 POLICIES = ("confidence", "ecospec", "adaptive")
 # The total_weight "adaptive" selects with under EP unless told otherwise (the SGLang plugin's
@@ -118,9 +122,8 @@ class SelectionOptions:
 
     @property
     def stops_short(self) -> bool:
-        """A request's set may hold fewer than ``budget`` candidates ("adaptive", or a
-        ``min_score`` floor)."""
-        return self.policy == "adaptive" or self.min_score > 0
+        """A request's set may hold fewer than ``budget`` candidates (:func:`stops_short`)."""
+        return stops_short(self.policy, self.min_score)
 
     def replace(self, **changes) -> "SelectionOptions":
         """These options with ``changes`` (checked again), or these very options when
@@ -131,3 +134,10 @@ class SelectionOptions:
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(SelectionOptions))
+
+
+def stops_short(policy: str, min_score: float) -> bool:
+    """Whether selection under ``policy`` and ``min_score`` may give a request fewer than
+    ``budget`` candidates: "adaptive" stops when a candidate no longer pays, a floor > 0
+    drops the candidates below it."""
+    return policy == "adaptive" or min_score > 0

@@ -358,15 +358,15 @@ def test_adaptive_selects_with_the_cost_model_and_the_measured_prices(fake_engin
     # The fake's greedy steps read min(E, K x 2) experts per layer at batch 2.
     fields = sweep_plan.adaptive_fields("qwen3-235b-a22b", "h200", 2, 4, 3, min(E, 2 * K), testbed)
     cost = selection_cost(runs.performance_model("qwen3-235b-a22b", "h200"), 2, 5, draft_steps=3)
-    assert spec.eps == fields["eps"] == cost.eps != 7  # --eps is ecospec's
-    assert spec.selection_options.step_cost == cost.step_cost
+    assert spec.selection.eps == fields["eps"] == cost.eps != 7  # --eps is ecospec's
+    assert spec.selection.step_cost == cost.step_cost
     assert spec.layer_weights == pytest.approx(fields["layer_weights"])
     assert spec.recall_weighted_cost is True  # bench's default
     assert exchange.prior == pytest.approx(fields["layer_weights"][0] * L / QWEN3.moe_layers)
     entry = json.loads(path.read_text())["policies"]["adaptive"]
     assert set(entry["expert_exchange"]) == {"prior", "rate", "others"}
     confidence = next(c for c in fake_engine.calls if c[0].policy == "confidence")
-    assert confidence[3] is None and confidence[0].eps == 7
+    assert confidence[3] is None and confidence[0].selection.eps == 7
 
 
 def test_min_score_floors_ecospec_and_adaptive_not_the_peers(fake_engine, tmp_path):
@@ -375,18 +375,18 @@ def test_min_score_floors_ecospec_and_adaptive_not_the_peers(fake_engine, tmp_pa
     argv = ["--num-prompts", "2", "--budget", "2", "--policy", policies, "--min-score", "0.05"]
     argv.append("--paired")
     assert _run([*argv, "--json", str(path)]) == 0
-    floors = {c[0].policy: c[0].selection_options.min_score for c in fake_engine.calls}
+    floors = {c[0].policy: c[0].selection.min_score for c in fake_engine.calls}
     assert floors == {"confidence": 0.0, "ecospec": 0.05, "adaptive": 0.05, "evict": 0.0}
     compares = [c[4] for c in fake_engine.calls if c[0].policy == "ecospec"][0]
-    assert {c.selection_options.min_score for c in compares} == {0.0}  # confidence's line
+    assert {c.selection.min_score for c in compares} == {0.0}  # confidence's line
     assert json.loads(path.read_text())["config"]["min_score"] == 0.05
 
 
 def test_the_served_floor_and_recall_weighted_cost_are_the_defaults(fake_engine):
     assert _run(["--num-prompts", "2", "--budget", "2", "--policy", "confidence,ecospec"]) == 0
     runs = {c[0].policy: c[0] for c in fake_engine.calls}
-    assert runs["ecospec"].selection_options.min_score == SERVED_MIN_SCORE > 0
-    assert runs["confidence"].selection_options.min_score == 0.0  # the peers as published
+    assert runs["ecospec"].selection.min_score == SERVED_MIN_SCORE > 0
+    assert runs["confidence"].selection.min_score == 0.0  # the peers as published
     assert runs["ecospec"].recall_weighted_cost is True
     fake_engine.calls.clear()  # the confidence-only run takes the default floor silently
     argv = ["--num-prompts", "2", "--budget", "2", "--policy", "confidence"]

@@ -11,7 +11,12 @@ import pytest
 import torch
 from _models import AUX, EXPERTS, LAYERS, TOP_K, random_prompts, tiny_target, train_draft
 
-from sgl_ecospec.lab.engine import OfflineEngine, OracleExpertPredictor, SpecConfig
+from sgl_ecospec.lab.engine import (
+    ENGINE_SELECTION,
+    OfflineEngine,
+    OracleExpertPredictor,
+    SpecConfig,
+)
 from sgl_ecospec.lab.engine.drafter import Drafter
 from sgl_ecospec.lab.engine.stats import rank_loads
 from sgl_ecospec.ops.bitmaps import bitmap_popcount, bitmap_to_ids
@@ -96,7 +101,9 @@ def test_routing_and_aux_capture_match_transformers(setup):
 @pytest.mark.parametrize("predictor", ["online", "oracle"])
 def test_lossless(setup, greedy, batch, policy, predictor):
     _, engine = setup
-    spec = SpecConfig(topk=4, num_steps=3, budget=4, policy=policy)
+    spec = SpecConfig(
+        topk=4, num_steps=3, budget=4, selection=ENGINE_SELECTION.replace(policy=policy)
+    )
     result = engine.generate_speculative(PROMPTS[:batch], MAX_NEW, spec, predictor)
     assert result.outputs == greedy[batch].outputs
     accepted = [a for step in result.steps for a in step.accepted]
@@ -116,7 +123,9 @@ def test_head_predictor_reads_draft_states_and_learns(setup, greedy):
     torch.manual_seed(0)
     head = LowRankExpertHead(hidden, engine.num_layers, engine.num_experts, TOP_K, lr=1e-2)
     before = [p.clone() for p in head.parameters()]
-    spec = SpecConfig(topk=4, num_steps=3, budget=4, policy="ecospec")
+    spec = SpecConfig(
+        topk=4, num_steps=3, budget=4, selection=ENGINE_SELECTION.replace(policy="ecospec")
+    )
     result = engine.generate_speculative(PROMPTS, MAX_NEW, spec, head)
     assert result.outputs == greedy[3].outputs
     assert 0.0 < result.predictor_recall < 1.0
@@ -132,8 +141,15 @@ def test_head_predictor_reads_draft_states_and_learns(setup, greedy):
     [
         SpecConfig(topk=2, num_steps=4, budget=5, tree_attention="ancestors"),
         SpecConfig(topk=1, num_steps=3, budget=3),
-        SpecConfig(topk=3, num_steps=1, budget=2, policy="ecospec"),
-        SpecConfig(topk=4, num_steps=3, budget=7, share_buffer=False, policy="ecospec"),
+        SpecConfig(
+            topk=3, num_steps=1, budget=2, selection=ENGINE_SELECTION.replace(policy="ecospec")
+        ),
+        SpecConfig(
+            topk=4,
+            num_steps=3,
+            budget=7,
+            selection=ENGINE_SELECTION.replace(share_buffer=False, policy="ecospec"),
+        ),
     ],
 )
 def test_lossless_other_trees(setup, greedy, spec):
@@ -185,7 +201,7 @@ def test_step_records(setup):
     _, engine = setup
     predictor = OnlineExpertPredictor(LAYERS, EXPERTS, TOP_K)
     seen = []
-    spec = SpecConfig(policy="ecospec")
+    spec = SpecConfig(selection=ENGINE_SELECTION.replace(policy="ecospec"))
     result = engine.generate_speculative(PROMPTS, MAX_NEW, spec, predictor, progress=seen.append)
     assert seen == result.steps and predictor.observe_calls == len(result.steps)
     for step in result.steps:
@@ -202,7 +218,9 @@ def test_step_records(setup):
 
 def test_step_records_the_union_bitmap_and_rank_loads(setup, greedy):
     _, engine = setup
-    result = engine.generate_speculative(PROMPTS, MAX_NEW, SpecConfig(policy="ecospec"))
+    result = engine.generate_speculative(
+        PROMPTS, MAX_NEW, SpecConfig(selection=ENGINE_SELECTION.replace(policy="ecospec"))
+    )
     contiguous = torch.arange(EXPERTS) // (EXPERTS // 4)  # 4 ranks, SGLang's block layout
     every_own_rank = torch.arange(EXPERTS)
     for step in result.steps + greedy[3].steps:
@@ -221,8 +239,8 @@ def test_step_records_the_union_bitmap_and_rank_loads(setup, greedy):
 
 def test_paired_selection_scores_both_sets_on_the_same_trees(setup, greedy):
     _, engine = setup
-    eco = SpecConfig(policy="ecospec", eps=0.05)
-    conf = SpecConfig(policy="confidence")
+    eco = SpecConfig(selection=ENGINE_SELECTION.replace(policy="ecospec", eps=0.05))
+    conf = SpecConfig(selection=ENGINE_SELECTION.replace(policy="confidence"))
     paired = engine.generate_speculative(PROMPTS, MAX_NEW, eco, compare=conf)
     alone = {
         name: engine.generate_speculative(PROMPTS, MAX_NEW, spec)
@@ -251,7 +269,9 @@ def test_paired_selection_scores_both_sets_on_the_same_trees(setup, greedy):
 
     # A compared set of roots only (adaptive that cannot pay: all -1 padding) reads a
     # subset of the run's union, and its draft score is 0.
-    nothing = SpecConfig(policy="adaptive", eps=10.0, step_cost=0.01)
+    nothing = SpecConfig(
+        selection=ENGINE_SELECTION.replace(policy="adaptive", eps=10.0, step_cost=0.01)
+    )
     for step in engine.generate_speculative(PROMPTS, 4, eco, compare=nothing).steps:
         own, roots = step.paired_bitmaps
         assert step.paired_scores[1] == 0.0 and not bool((roots & ~own).any())
@@ -260,10 +280,8 @@ def test_paired_selection_scores_both_sets_on_the_same_trees(setup, greedy):
     # Compared with evict: flat step seconds keep confidence's whole set, steep ones cut it
     # to the roots.
     budget = eco.budget
-    flat = SpecConfig(policy="evict", evict_seconds=(1.0,) * (budget + 1))
-    steep = SpecConfig(
-        policy="evict", evict_seconds=tuple(1.0 + 100 * k for k in range(budget + 1))
-    )
+    flat = SpecConfig(evict_seconds=(1.0,) * (budget + 1))
+    steep = SpecConfig(evict_seconds=tuple(1.0 + 100 * k for k in range(budget + 1)))
     against_conf = paired.steps
     for compare, check in ((flat, "whole"), (steep, "roots")):
         steps = engine.generate_speculative(PROMPTS, MAX_NEW, eco, compare=compare).steps
@@ -301,7 +319,9 @@ def test_rank_loads_by_hand():
 def test_adaptive_that_cannot_pay_verifies_only_the_roots(setup, greedy):
     _, engine = setup
     # The best node's gain per cost is P / eps <= 1 / 10, below the starting rate 1 / 0.01.
-    spec = SpecConfig(policy="adaptive", eps=10.0, step_cost=0.01)
+    spec = SpecConfig(
+        selection=ENGINE_SELECTION.replace(policy="adaptive", eps=10.0, step_cost=0.01)
+    )
     result = engine.generate_speculative(PROMPTS, MAX_NEW, spec)
     assert result.outputs == greedy[3].outputs
     for step in result.steps:
@@ -312,9 +332,13 @@ def test_adaptive_that_cannot_pay_verifies_only_the_roots(setup, greedy):
 @pytest.mark.parametrize("share_buffer", [True, False])
 def test_adaptive_selects_fewer_nodes_losslessly(setup, greedy, share_buffer):
     _, engine = setup
-    full = SpecConfig(budget=7, policy="ecospec", share_buffer=share_buffer)
+    full = SpecConfig(
+        budget=7, selection=ENGINE_SELECTION.replace(policy="ecospec", share_buffer=share_buffer)
+    )
     # A cheap step start: nodes must be worth about as much as the bonus token per cost.
-    spec = dataclasses.replace(full, policy="adaptive", step_cost=2.0)
+    spec = dataclasses.replace(
+        full, selection=full.selection.replace(policy="adaptive", step_cost=2.0)
+    )
     result = engine.generate_speculative(PROMPTS, MAX_NEW, spec)
     assert result.outputs == greedy[3].outputs
     verified = [s.verified_tokens / s.batch_size for s in result.steps]
@@ -332,11 +356,17 @@ def test_adaptive_selects_fewer_nodes_losslessly(setup, greedy, share_buffer):
 def test_expert_parallel_selection_is_lossless_and_checked(setup, greedy):
     _, engine = setup
     ranks = (torch.arange(EXPERTS) // 4).tolist()
-    spec = SpecConfig(policy="ecospec", expert_rank=ranks, num_ranks=4, total_weight=0.25)
+    spec = SpecConfig(
+        expert_rank=ranks,
+        num_ranks=4,
+        selection=ENGINE_SELECTION.replace(policy="ecospec", total_weight=0.25),
+    )
     result = engine.generate_speculative(PROMPTS, MAX_NEW, spec)
     assert result.outputs == greedy[3].outputs
     per_layer = SpecConfig(
-        policy="ecospec", expert_rank=[ranks] * LAYERS, layer_weights=[1.0, 2.0, 0.5, 1.0]
+        expert_rank=[ranks] * LAYERS,
+        layer_weights=[1.0, 2.0, 0.5, 1.0],
+        selection=ENGINE_SELECTION.replace(policy="ecospec"),
     )
     assert per_layer.num_ranks == 4
     assert engine.generate_speculative(PROMPTS, MAX_NEW, per_layer).outputs == greedy[3].outputs
@@ -373,7 +403,7 @@ def test_spec_config_normalises_and_validates():
     ]
     for kwargs, message in bad:
         with pytest.raises(ValueError, match=message):
-            SpecConfig(**kwargs)
+            SpecConfig.from_fields(**kwargs)
 
 
 def test_bad_arguments(setup):
@@ -381,7 +411,7 @@ def test_bad_arguments(setup):
     with pytest.raises(ValueError, match="budget must be in"):
         SpecConfig(topk=2, num_steps=2, budget=7)
     with pytest.raises(ValueError, match="policy"):
-        SpecConfig(policy="fastest")
+        SpecConfig(selection=ENGINE_SELECTION.replace(policy="fastest"))
     with pytest.raises(ValueError, match="predictor is for"):
         engine.generate_speculative(PROMPTS, 2, SpecConfig(), OnlineExpertPredictor(2, 16, 4))
     with pytest.raises(ValueError, match="at least one token"):

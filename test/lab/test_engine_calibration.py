@@ -7,7 +7,7 @@ from _models import random_prompts, tiny_engine_fixture
 
 from sgl_ecospec.acceptance import AcceptanceCalibrator
 from sgl_ecospec.lab.bench import metrics
-from sgl_ecospec.lab.engine import SpecConfig
+from sgl_ecospec.lab.engine import ENGINE_SELECTION, SpecConfig
 
 MAX_NEW = 24
 
@@ -25,7 +25,13 @@ def greedy(engine):
 
 @pytest.mark.parametrize("policy", ["confidence", "ecospec"])
 def test_calibrated_selection_is_lossless_and_records_predictions(engine, greedy, policy):
-    spec = SpecConfig(topk=4, num_steps=3, budget=4, policy=policy, calibrated_acceptance=True)
+    spec = SpecConfig(
+        topk=4,
+        num_steps=3,
+        budget=4,
+        calibrated_acceptance=True,
+        selection=ENGINE_SELECTION.replace(policy=policy),
+    )
     calibrator = AcceptanceCalibrator(spec.num_steps)
     result = engine.generate_speculative(PROMPTS, MAX_NEW, spec, calibrator=calibrator)
     assert result.outputs == greedy

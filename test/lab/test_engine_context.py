@@ -6,7 +6,7 @@ import torch
 from _models import EXPERTS, LAYERS, TOP_K, VOCAB, random_prompts, tiny_engine_fixture
 
 from sgl_ecospec.lab.bench.predictor_replay import StepRecorder, memory_bytes, replay
-from sgl_ecospec.lab.engine import SpecConfig
+from sgl_ecospec.lab.engine import ENGINE_SELECTION, SpecConfig
 from sgl_ecospec.predictors import (
     ContextExpertPredictor,
     LowRankExpertHead,
@@ -31,7 +31,11 @@ def greedy(engine):
 def test_context_predictor_is_lossless_and_measured(engine, greedy, weighted):
     predictor = ContextExpertPredictor(LAYERS, EXPERTS, TOP_K, vocab_size=VOCAB, pair_buckets=1024)
     spec = SpecConfig(
-        topk=4, num_steps=3, budget=4, policy="ecospec", recall_weighted_cost=weighted
+        topk=4,
+        num_steps=3,
+        budget=4,
+        recall_weighted_cost=weighted,
+        selection=ENGINE_SELECTION.replace(policy="ecospec"),
     )
     result = engine.generate_speculative(PROMPTS, MAX_NEW, spec, predictor)
     assert result.outputs == greedy.outputs
@@ -44,7 +48,9 @@ def test_context_predictor_is_lossless_and_measured(engine, greedy, weighted):
 
 def test_each_verified_row_gets_its_parent_token(engine, greedy):
     recorder = StepRecorder(OnlineExpertPredictor(LAYERS, EXPERTS, TOP_K))
-    spec = SpecConfig(topk=4, num_steps=3, budget=4, policy="confidence")
+    spec = SpecConfig(
+        topk=4, num_steps=3, budget=4, selection=ENGINE_SELECTION.replace(policy="confidence")
+    )
     prompt, output = PROMPTS[0], greedy.outputs[0]
     engine.generate_speculative([prompt], MAX_NEW, spec, recorder)
     sequence = prompt + output
@@ -78,7 +84,9 @@ def test_each_verified_row_gets_its_parent_token(engine, greedy):
 
 def test_replay_trains_a_head_online_on_the_recorded_states(engine):
     recorder = StepRecorder(OnlineExpertPredictor(LAYERS, EXPERTS, TOP_K))
-    spec = SpecConfig(topk=4, num_steps=3, budget=4, policy="confidence")
+    spec = SpecConfig(
+        topk=4, num_steps=3, budget=4, selection=ENGINE_SELECTION.replace(policy="confidence")
+    )
     engine.generate_speculative(PROMPTS[:1], MAX_NEW, spec, recorder)
     hidden_size = engine.draft.config.hidden_size
     torch.manual_seed(0)

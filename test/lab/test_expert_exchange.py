@@ -12,7 +12,7 @@ from sgl_ecospec.costmodel import get_model
 from sgl_ecospec.costmodel.scaling import scale_unique_experts
 from sgl_ecospec.lab.bench import sweep_plan
 from sgl_ecospec.lab.bench.expert_exchange import ExpertExchange
-from sgl_ecospec.lab.engine import SpecConfig
+from sgl_ecospec.lab.engine import ENGINE_SELECTION, SpecConfig
 from sgl_ecospec.ops.selection import SelectionOptions
 from sgl_ecospec.predictors import OnlineExpertPredictor
 
@@ -126,7 +126,9 @@ def test_the_engine_scales_its_layer_weights_by_the_measured_rate(engine):
     the target's own."""
     greedy = engine.generate_greedy(PROMPTS, MAX_NEW)
     spec = SpecConfig(
-        budget=4, policy="adaptive", eps=0.5, step_cost=40.0, layer_weights=(1.0,) * LAYERS
+        budget=4,
+        layer_weights=(1.0,) * LAYERS,
+        selection=ENGINE_SELECTION.replace(policy="adaptive", eps=0.5, step_cost=40.0),
     )
     fixed = engine.generate_speculative(
         PROMPTS, MAX_NEW, spec, OnlineExpertPredictor(LAYERS, EXPERTS, TOP_K)
@@ -217,14 +219,13 @@ def test_the_live_recall_measures_new_experts_at_the_exchange_s_total_weight(eng
     monkeypatch.setattr(offline, "record_recall", record)
     spec = SpecConfig(
         budget=4,
-        policy="adaptive",
-        eps=0.5,
-        step_cost=40.0,
         layer_weights=(1.0,) * LAYERS,
         expert_rank=(torch.arange(EXPERTS) // 4).tolist(),
         num_ranks=4,
-        total_weight=0.0,
         recall_weighted_cost=True,
+        selection=ENGINE_SELECTION.replace(
+            policy="adaptive", eps=0.5, step_cost=40.0, total_weight=0.0
+        ),
     )
     exchange = _tiny_exchange(kind=FixedPrices, ep_size=4, total_weight=0.0)
     result = engine.generate_speculative(

@@ -15,7 +15,7 @@ from sgl_ecospec.lab.bench import cli as bench_cli
 from sgl_ecospec.lab.bench import pareto, peers, sweep, sweep_run
 from sgl_ecospec.lab.bench.runs import performance_model
 from sgl_ecospec.lab.config import BenchConfig, SweepConfig
-from sgl_ecospec.lab.engine import SpecConfig
+from sgl_ecospec.lab.engine import ENGINE_SELECTION, SpecConfig
 from sgl_ecospec.lab.engine.evict import confidence_order, evict_selection
 from sgl_ecospec.lab.engine.stats import StepStats
 
@@ -118,8 +118,9 @@ def test_evict_step_seconds_depend_on_tokens_only():
     for k, s in enumerate(seconds):
         assert s == pytest.approx(fixed + perf.verify_time(4, 1 + k))
     fields = peers.spec_fields("evict", perf, 4, 3, 3)
-    spec = SpecConfig(topk=2, num_steps=2, budget=3, **fields)
-    assert spec.evict_seconds == seconds and spec.selection_options.policy == "confidence"
+    spec = SpecConfig.from_fields(topk=2, num_steps=2, budget=3, **fields)
+    assert spec.evict_seconds == seconds and spec.selection.policy == "confidence"
+    assert spec.policy == "evict"
     assert peers.spec_fields("cascade", perf, 4, 3, 3) == {"policy": "confidence"}
     assert peers.spec_fields("ecospec", perf, 4, 3, 3) == {"policy": "ecospec"}
     # Under EP the profiled step is the EP deployment's: its experts load at the busiest
@@ -134,14 +135,20 @@ def test_evict_step_seconds_depend_on_tokens_only():
 
 
 def test_spec_config_checks_evict_seconds():
-    with pytest.raises(ValueError, match="policy 'evict' needs evict_seconds: budget \\+ 1 = 3"):
-        SpecConfig(budget=2, policy="evict")
+    with pytest.raises(ValueError, match="policy 'evict' needs evict_seconds: budget \\+ 1"):
+        SpecConfig.from_fields(budget=2, policy="evict")
+    with pytest.raises(ValueError, match="needs evict_seconds: budget \\+ 1 = 3"):
+        SpecConfig(budget=2, evict_seconds=(1.0, 2.0))
     with pytest.raises(ValueError, match="needs evict_seconds"):
-        SpecConfig(budget=2, policy="evict", evict_seconds=(1.0, 2.0))
-    with pytest.raises(ValueError, match="needs evict_seconds"):
-        SpecConfig(budget=2, policy="evict", evict_seconds=(1.0, 0.0, 2.0))
+        SpecConfig(budget=2, evict_seconds=(1.0, 0.0, 2.0))
     with pytest.raises(ValueError, match="evict_seconds is for policy 'evict', not 'confidence'"):
-        SpecConfig(budget=2, evict_seconds=(1.0, 2.0, 3.0))
+        SpecConfig.from_fields(budget=2, evict_seconds=(1.0, 2.0, 3.0))
+    ecospec = ENGINE_SELECTION.replace(policy="ecospec")
+    with pytest.raises(ValueError, match="cuts confidence's choice, but selection.policy is 'eco"):
+        SpecConfig(budget=2, selection=ecospec, evict_seconds=(1.0, 2.0, 3.0))
+    evict = SpecConfig(budget=2, evict_seconds=[1, 2, 3])
+    assert evict.policy == "evict" and evict.evict_seconds == (1.0, 2.0, 3.0)
+    assert evict == SpecConfig.from_fields(budget=2, policy="evict", evict_seconds=(1, 2, 3))
 
 
 # --- cascade: the gate -------------------------------------------------------------------
@@ -314,7 +321,7 @@ def test_evict_in_the_engine_is_lossless_and_cuts(tiny_models):
     confidence = engine.generate_speculative(ids, 8, SpecConfig(**tree))
     runs = {}
     for name, seconds in (("flat", (1.0,) * 4), ("steep", (1.0, 9.0, 18.0, 27.0))):
-        spec = SpecConfig(**tree, policy="evict", evict_seconds=seconds)
+        spec = SpecConfig(**tree, evict_seconds=seconds)
         runs[name] = engine.generate_speculative(ids, 8, spec)
         assert runs[name].outputs == greedy
     # Flat seconds keep confidence's whole choice; steep ones verify the roots alone.

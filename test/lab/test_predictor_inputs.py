@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from sgl_ecospec.lab.engine import OracleExpertPredictor, SpecConfig
+from sgl_ecospec.lab.engine import ENGINE_SELECTION, OracleExpertPredictor, SpecConfig
 from sgl_ecospec.lab.engine.predictor_inputs import next_root_context, verified_context
 from sgl_ecospec.ops.selection import SelectionOptions
 from sgl_ecospec.predictors import ContextExpertPredictor, LiveRecall, OnlineExpertPredictor
@@ -131,7 +131,9 @@ def test_adaptive_sizes_a_cold_predictors_sets_by_the_measured_token_cost():
 
 
 def test_spec_config_checks_the_flag():
-    assert SpecConfig(policy="ecospec", recall_weighted_cost=True).recall_weighted_cost
+    assert SpecConfig(
+        recall_weighted_cost=True, selection=ENGINE_SELECTION.replace(policy="ecospec")
+    ).recall_weighted_cost
     with pytest.raises(TypeError, match="recall_weighted_cost"):
         SpecConfig(recall_weighted_cost="yes")
 

@@ -96,8 +96,8 @@ def test_selection_configs_follow_the_cost_model():
     assert ep["eps"] == cost4.eps and ep["num_ranks"] == 4
     assert ep["expert_rank"] == tuple(i // 4 for i in range(16))
     for kwargs in configs.values():
-        spec = SpecConfig(**kwargs)
-        assert spec.budget == 4 and spec.share_buffer
+        spec = SpecConfig.from_fields(**kwargs)
+        assert spec.budget == 4 and spec.selection.share_buffer
     # At EP 4 adaptive and evict select with the 4-GPU group's cost, the others as at EP 1.
     at4 = sweep_plan.selection_configs(cfg, 32, 6.0, testbed, ep_size=4)
     perf4 = performance_model("qwen3-235b-a22b", "4xh200")

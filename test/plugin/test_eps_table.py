@@ -2,6 +2,7 @@
 
 import pytest
 from sglang_ecospec import eps_table
+from sglang_ecospec.settings import EcoSpecSettings
 
 
 @pytest.mark.parametrize(
@@ -55,8 +56,9 @@ def test_batch_options_take_each_buckets_costs_once():
         step_costs=(10.0, 30.0),
         candidate_costs=((1.0, 0.5), (3.0, 0.25)),
     )
-    fields = dict(policy="adaptive", share_buffer=True, total_weight=0.0, min_score=0.0)
-    options_for = eps_table.BatchOptions(fields, table)
+    auto = dict(eps="auto", profile="qwen3-235b-a22b", hardware="h200", min_score=0.0)
+    adaptive = EcoSpecSettings(policy="adaptive", **auto)
+    options_for = eps_table.BatchOptions(adaptive, table)
     one, many = options_for(1), options_for(7)
     assert (one.eps, one.step_cost, one.candidate_cost, one.candidate_decay) == (
         0.5,
@@ -66,10 +68,16 @@ def test_batch_options_take_each_buckets_costs_once():
     )
     assert (many.eps, many.step_cost, many.candidate_cost) == (2.0, 30.0, 3.0)
     assert options_for(4) is many and many.total_weight == 0.0  # one checked copy per bucket
+    assert many.share_buffer and many.min_score == 0.0  # the settings' own fields
     # The other policies take the bucket's eps only.
-    ecospec = eps_table.BatchOptions({**fields, "policy": "ecospec"}, table)(4)
+    ecospec = eps_table.BatchOptions(EcoSpecSettings(**auto), table)(4)
     assert ecospec.eps == 2.0 and ecospec.step_cost is None and ecospec.candidate_cost == 0.0
+    # With eps a number every batch selects with the settings' own checked options.
+    fixed = EcoSpecSettings(eps=0.3)
+    assert fixed.selection.eps == 0.3 and adaptive.selection is None
+    assert eps_table.BatchOptions(fixed, None)(1) is eps_table.BatchOptions(fixed, None)(64)
+    assert eps_table.BatchOptions(fixed, None)(9) is fixed.selection
     with pytest.raises(ValueError, match="never both"):
-        eps_table.BatchOptions({**fields, "eps": 0.1}, table)
+        eps_table.BatchOptions(fixed, table)
     with pytest.raises(ValueError, match="never both"):
-        eps_table.BatchOptions(fields, None)
+        eps_table.BatchOptions(adaptive, None)

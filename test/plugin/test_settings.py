@@ -7,7 +7,7 @@ import pytest
 from sglang_ecospec.eps_table import BatchOptions
 from sglang_ecospec.settings import EcoSpecSettings, EcoSpecSettingsError
 
-from sgl_ecospec.ops.options import SERVED_MIN_SCORE
+from sgl_ecospec.ops.options import SERVED_MIN_SCORE, SelectionOptions
 from sgl_ecospec.ops.selection import ADAPTIVE_EP_TOTAL_WEIGHT
 
 
@@ -171,6 +171,18 @@ def test_settings_predictors_of_the_catalog_and_recall_weighted_cost():
     assert off.recall_weighted_cost is False
 
 
+def test_settings_hold_their_checked_selection_options():
+    settings = EcoSpecSettings.from_env({"SGLANG_ECOSPEC_EPS": "0.3"})
+    assert settings.selection == SelectionOptions(
+        policy="ecospec", eps=0.3, share_buffer=True, min_score=SERVED_MIN_SCORE
+    )
+    assert "selection" not in settings.to_dict() and settings.to_dict()["eps"] == 0.3
+    with pytest.raises(EcoSpecSettingsError, match="unknown EcoSpec setting SGLANG_ECOSPEC_SEL"):
+        EcoSpecSettings.from_env({"SGLANG_ECOSPEC_SELECTION": "x"})
+    with pytest.raises(TypeError):
+        EcoSpecSettings(selection=settings.selection)
+
+
 def test_settings_min_score():
     assert EcoSpecSettings().selection_fields() == dict(
         policy="ecospec", share_buffer=True, total_weight=None, min_score=SERVED_MIN_SCORE, eps=0.1
@@ -182,7 +194,8 @@ def test_settings_min_score():
     )
     assert floored.min_score == 0.2
     settings = EcoSpecSettings.from_env({"SGLANG_ECOSPEC_MIN_SCORE": "0.05"})
-    options = BatchOptions(settings.selection_fields(), None)(8)
+    options = BatchOptions(settings, None)(8)
+    assert options is settings.selection
     assert options.min_score == 0.05 and options.stops_short
     with pytest.raises(EcoSpecSettingsError, match=r"min_score must be >= 0, got -1.0$"):
         EcoSpecSettings.from_env({"SGLANG_ECOSPEC_MIN_SCORE": "-1"})

@@ -6,6 +6,8 @@ Parsing only: the values are checked where the configuration is built
 
 import argparse
 
+from sgl_ecospec.ops.options import SERVED_SHARE_BUFFER
+
 PREDICTORS = ("online", "vocab", "context", "adjacent", "oracle", "head")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -64,9 +66,12 @@ def add_recall_weighted_argument(group, default: bool) -> None:
 
 
 def add_share_buffer_argument(group, help: str) -> None:
-    """``--share-buffer`` / ``--no-share-buffer`` (on by default)."""
+    """``--share-buffer`` / ``--no-share-buffer`` (on by default: ``SERVED_SHARE_BUFFER``)."""
     group.add_argument(
-        "--share-buffer", action=argparse.BooleanOptionalAction, default=True, help=help
+        "--share-buffer",
+        action=argparse.BooleanOptionalAction,
+        default=SERVED_SHARE_BUFFER,
+        help=help,
     )
 
 

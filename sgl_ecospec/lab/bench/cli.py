@@ -163,7 +163,7 @@ def speculative_run(
         selection = sweep_plan.adaptive_fields(*at, budget, cfg.steps, root_union, testbed)
         exchange = sweep_plan.expert_exchange(*at, root_union, testbed)
     tree = {"topk": cfg.topk, "num_steps": cfg.steps, "share_buffer": cfg.share_buffer}
-    spec = SpecConfig(
+    spec = SpecConfig.from_fields(
         **tree,
         budget=budget,
         **selection,
@@ -173,9 +173,7 @@ def speculative_run(
     )
     compare = None  # confidence at budget b, b - 1, ..., 1, scored on the run's own steps
     if cfg.paired and policy in PAIRED_POLICIES and budget >= 2:
-        compare = tuple(
-            SpecConfig(**tree, budget=b, policy="confidence") for b in range(budget, 0, -1)
-        )
+        compare = tuple(SpecConfig.from_fields(**tree, budget=b) for b in range(budget, 0, -1))
     predictor = predictor_stats.timed(run_predictor(cfg, engine))
     # One calibrator per run, learning over all of its batches, as the predictor does.
     calibrator = AcceptanceCalibrator(cfg.steps, device=cfg.device)

@@ -132,7 +132,7 @@ def record(cfg: BenchConfig, engine, prompts: dict) -> dict:
     returns the stream: ``{"format", "config", "shape", "steps"}``."""
     from sgl_ecospec.lab.engine import SpecConfig
 
-    spec = SpecConfig(topk=cfg.topk, num_steps=cfg.steps, budget=cfg.budget, policy="confidence")
+    spec = SpecConfig(topk=cfg.topk, num_steps=cfg.steps, budget=cfg.budget)
     shape = (engine.num_layers, engine.num_experts, engine.top_k)
     recorder = StepRecorder(OnlineExpertPredictor(*shape))
     torch.manual_seed(cfg.seed)

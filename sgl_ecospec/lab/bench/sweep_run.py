@@ -263,13 +263,13 @@ def run_batch(cfg: SweepConfig, engine, batch: int, groups, prompts, perfs, prog
         spec_steps, measured = speculative_run(
             cfg,
             engine,
-            SpecConfig(**selected[policy]),
+            SpecConfig.from_fields(**selected[policy]),
             groups,
             prompts,
             greedy,
             progress,
             label,
-            compare=None if against is None else SpecConfig(**selected[against]),
+            compare=None if against is None else SpecConfig.from_fields(**selected[against]),
             exchange=exchange,
         )
         if exchange is not None:

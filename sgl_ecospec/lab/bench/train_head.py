@@ -117,12 +117,7 @@ def record(cfg: TrainHeadConfig, engine, prompts: list) -> tuple[RoutingRecorder
     returns the recorder and the online predictor's recall over those rows."""
     from sgl_ecospec.lab.engine import SpecConfig
 
-    spec = SpecConfig(
-        topk=cfg.topk,
-        num_steps=cfg.steps,
-        budget=cfg.budget,
-        policy="confidence",
-    )
+    spec = SpecConfig(topk=cfg.topk, num_steps=cfg.steps, budget=cfg.budget)
     online = OnlineExpertPredictor(
         engine.num_layers, engine.num_experts, engine.top_k, device=cfg.device
     )

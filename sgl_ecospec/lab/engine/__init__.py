@@ -5,7 +5,7 @@ growth, verify-set selection by any ``select_verify_set`` policy, lossless greed
 verification, and the target's real per-layer routing for every verified token.
 """
 
-from sgl_ecospec.lab.engine.config import SpecConfig
+from sgl_ecospec.lab.engine.config import ENGINE_SELECTION, SpecConfig
 from sgl_ecospec.lab.engine.offline import OfflineEngine
 from sgl_ecospec.lab.engine.oracle import OracleExpertPredictor
 from sgl_ecospec.lab.engine.stats import GreedyResult, SpecResult, StepStats
@@ -14,6 +14,7 @@ __all__ = [
     "GreedyResult",
     "OfflineEngine",
     "OracleExpertPredictor",
+    "ENGINE_SELECTION",
     "SpecConfig",
     "SpecResult",
     "StepStats",

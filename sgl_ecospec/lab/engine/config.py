@@ -7,7 +7,11 @@ import torch
 from sgl_ecospec.lab.engine.drafter import TREE_ATTENTION
 from sgl_ecospec.lab.engine.evict import EVICT
 from sgl_ecospec.lab.engine.tree import num_candidates
-from sgl_ecospec.ops.options import OPTION_NAMES, SelectionOptions
+from sgl_ecospec.ops.options import OPTION_NAMES, SERVED_SHARE_BUFFER, SelectionOptions
+
+# The engine's selection when a SpecConfig names none: SGLang's own choice (confidence), with
+# one expert buffer for the batch as served; every other option is the op's.
+ENGINE_SELECTION = SelectionOptions(policy="confidence", share_buffer=SERVED_SHARE_BUFFER)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,14 +22,16 @@ class SpecConfig:
         topk: children per beam (``--speculative-eagle-topk``).
         num_steps: draft depth (``--speculative-num-steps``).
         budget: candidates verified per request besides the root, out of N = topk +
-            (num_steps - 1) * topk^2 ("adaptive" may select fewer); SGLang's
+            (num_steps - 1) * topk^2 (a policy that stops short may select fewer); SGLang's
             ``--speculative-num-draft-tokens`` is budget + 1 (:attr:`num_draft_tokens`).
-        policy: selection policy of :func:`sgl_ecospec.select_verify_set`: "confidence"
-            (SGLang's own choice), "ecospec" or "adaptive"; or "evict", the benchmark's
-            EVICT peer: confidence's choice cut to its best prefix (``engine.evict``).
-        eps: EcoSpec's eps in P / (DeltaCost + eps), in expert loads
-            (``costmodel.selection_cost`` derives it).
-        share_buffer: one expert buffer for the whole batch (see ``select_verify_set``).
+        selection: the checked options of :func:`sgl_ecospec.select_verify_set` (policy,
+            eps, share_buffer, total_weight, the "adaptive" account, min_score), carried to
+            the op as they are; :data:`ENGINE_SELECTION` when not given.
+        evict_seconds: the benchmark's EVICT peer (``engine.evict``): confidence's choice cut
+            to its best prefix, by budget + 1 predicted seconds > 0 of a step in which every
+            request verifies its root and k candidates, k = 0..budget
+            (``bench.peers.evict_step_seconds``); needs ``selection.policy`` "confidence".
+            None: no cut.
         tree_attention: how draft beams attend to earlier draft steps: "sglang" (SGLang's
             per-slot KV layout) or "ancestors" (a true tree mask); see ``engine.drafter``.
         layer_weights: weight of each MoE layer's DeltaCost, L floats >= 0, or None (all
@@ -34,25 +40,9 @@ class SpecConfig:
             L rows of E ints, or None (no EP: DeltaCost counts every expert alike). Any
             nested sequence or integer tensor is stored as (nested) tuples of ints;
             ``sgl_ecospec.placement.expert_rank_map`` builds one from SGLang's layout.
+            ``selection.total_weight`` is read only with it.
         num_ranks: R, EP ranks (>= 1); None for max(expert_rank) + 1. Only with
             ``expert_rank``.
-        total_weight: in [0, 1], weight of the experts off the busiest rank; None for 1 / R.
-            Only with ``expert_rank``.
-        step_tokens: >= 0, "adaptive": expected tokens a request's step yields before any
-            candidate (1: the bonus token).
-        step_cost: > 0, "adaptive" (required there): a request's share of the step's cost
-            before any candidate, in the units of eps.
-        candidate_cost: >= 0, what a request's first candidate costs beyond DeltaCost + eps,
-            in the units of eps; each later one costs ``candidate_decay`` (in [0, 1]) times
-            the one before (``select_verify_set``; ``costmodel.selection_cost`` derives
-            both). 0: nothing.
-        candidate_decay: see ``candidate_cost``.
-        min_score: >= 0, candidates whose score (cumulative draft probability, or the
-            calibrated one with ``calibrated_acceptance``) is below it are never verified, in
-            every policy, so a step may verify fewer than ``budget`` (0: no floor).
-        evict_seconds: "evict" (required there, and only there): budget + 1 predicted
-            seconds > 0 of a step in which every request verifies its root and k
-            candidates, k = 0..budget (``bench.peers.evict_step_seconds``).
         calibrated_acceptance: selection weighs each candidate by its calibrated probability
             of being accepted, learnt online from the verify results
             (``sgl_ecospec.acceptance``), instead of its cumulative draft probability. The
@@ -69,24 +59,14 @@ class SpecConfig:
     topk: int = 4
     num_steps: int = 3
     budget: int = 4
-    policy: str = "confidence"
-    eps: float = SelectionOptions.eps
-    share_buffer: bool = True
+    selection: SelectionOptions = ENGINE_SELECTION
+    evict_seconds: tuple[float, ...] | None = None
     tree_attention: str = "sglang"
     layer_weights: tuple[float, ...] | None = None
     expert_rank: tuple[int, ...] | tuple[tuple[int, ...], ...] | None = None
     num_ranks: int | None = None
-    # The selection's own defaults: SpecConfig differs only in policy and share_buffer.
-    total_weight: float | None = SelectionOptions.total_weight
-    step_tokens: float = SelectionOptions.step_tokens
-    step_cost: float | None = SelectionOptions.step_cost
-    candidate_cost: float = SelectionOptions.candidate_cost
-    candidate_decay: float = SelectionOptions.candidate_decay
-    min_score: float = SelectionOptions.min_score
-    evict_seconds: tuple[float, ...] | None = None
     calibrated_acceptance: bool = False
     recall_weighted_cost: bool = False
-    selection_options: SelectionOptions = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.topk < 1 or self.num_steps < 1:
@@ -99,18 +79,14 @@ class SpecConfig:
                 f"budget must be in [1, {candidates}] (up to N = {candidates} candidates for "
                 f"topk={self.topk}, num_steps={self.num_steps}), got {self.budget}"
             )
-        # The policy, eps, total weight and adaptive account are checked in one place.
-        fields = {name: getattr(self, name) for name in OPTION_NAMES}
-        fields["policy"] = "confidence" if self.policy == EVICT else self.policy
-        object.__setattr__(self, "selection_options", SelectionOptions(**fields))
-        if not isinstance(self.recall_weighted_cost, bool):
+        if not isinstance(self.selection, SelectionOptions):
             raise TypeError(
-                f"recall_weighted_cost must be a bool, got {self.recall_weighted_cost!r}"
+                f"selection must be a SelectionOptions, got {type(self.selection).__name__} "
+                "(SpecConfig.from_fields takes the options as flat fields)"
             )
-        if not isinstance(self.calibrated_acceptance, bool):
-            raise TypeError(
-                f"calibrated_acceptance must be a bool, got {self.calibrated_acceptance!r}"
-            )
+        for name in ("recall_weighted_cost", "calibrated_acceptance"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.tree_attention not in TREE_ATTENTION:
             raise ValueError(
                 f"tree_attention must be one of {TREE_ATTENTION}, got {self.tree_attention!r}"
@@ -120,12 +96,41 @@ class SpecConfig:
         self._check_placement()
         self._check_evict_seconds()
 
+    @classmethod
+    def from_fields(cls, **fields) -> "SpecConfig":
+        """A SpecConfig from one flat record, its own fields and the selection options side
+        by side, as the bench and the sweep plan their runs (and write them to JSON).
+
+        The options not given are :data:`ENGINE_SELECTION`'s; policy "evict" is EVICT
+        (confidence's selection cut by ``evict_seconds``, which it needs and only it takes).
+        """
+        options = {name: fields.pop(name) for name in OPTION_NAMES if name in fields}
+        if options.get("policy") == EVICT:
+            options["policy"] = "confidence"
+            if fields.get("evict_seconds") is None:
+                raise ValueError(
+                    "policy 'evict' needs evict_seconds: budget + 1 finite step seconds > 0 "
+                    "(k = 0..budget candidates per request)"
+                )
+        elif fields.get("evict_seconds") is not None:
+            policy = options.get("policy", ENGINE_SELECTION.policy)
+            raise ValueError(f"evict_seconds is for policy 'evict', not {policy!r}")
+        return cls(**fields, selection=ENGINE_SELECTION.replace(**options))
+
+    @property
+    def policy(self) -> str:
+        """The selection's policy, or "evict" for the EVICT peer."""
+        return EVICT if self.evict_seconds is not None else self.selection.policy
+
     def _check_evict_seconds(self):
-        if self.policy != EVICT:
-            if self.evict_seconds is not None:
-                raise ValueError(f"evict_seconds is for policy 'evict', not {self.policy!r}")
+        if self.evict_seconds is None:
             return
-        seconds = tuple(float(s) for s in self.evict_seconds or ())
+        if self.selection.policy != "confidence":
+            raise ValueError(
+                "evict_seconds cuts confidence's choice, but selection.policy is "
+                f"{self.selection.policy!r}"
+            )
+        seconds = tuple(float(s) for s in self.evict_seconds)
         if len(seconds) != self.budget + 1 or not all(0 < s < float("inf") for s in seconds):
             raise ValueError(
                 f"policy 'evict' needs evict_seconds: budget + 1 = {self.budget + 1} finite "
@@ -136,8 +141,9 @@ class SpecConfig:
 
     def _check_placement(self):
         if self.expert_rank is None:
-            for name in ("num_ranks", "total_weight"):
-                if getattr(self, name) is not None:
+            given = {"num_ranks": self.num_ranks, "total_weight": self.selection.total_weight}
+            for name, value in given.items():
+                if value is not None:
                     raise ValueError(f"{name} needs expert_rank (the expert -> EP rank placement)")
             return
         ranks = torch.as_tensor(self.expert_rank)

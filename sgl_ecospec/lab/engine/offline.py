@@ -406,7 +406,7 @@ class OfflineEngine:
                     f"[{self.num_experts}] or [L, E] = [{self.num_layers}, {self.num_experts}]"
                 )
             extra["placement"] = Placement(ranks, spec.num_ranks)
-        return spec.selection_options, extra
+        return spec.selection, extra
 
     def _paired_arguments(self, spec: SpecConfig, compare: SpecConfig) -> tuple[SpecConfig, tuple]:
         """(``compare``, its ``_selection_arguments``); its tree must be ``spec``'s (both
