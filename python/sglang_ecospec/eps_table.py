@@ -92,11 +92,13 @@ class BatchOptions:
     def __init__(self, settings: EcoSpecSettings, table: EpsTable | None):
         if settings.eps_auto != (table is not None):
             raise ValueError("eps comes from the settings or from the eps table, never both")
-        self.fields = settings.selection_fields()
         self.table = table
-        self._by_bucket: dict[int, SelectionOptions] = {}
-        if table is None:
-            self._by_bucket[0] = settings.selection
+        if table is None:  # one bucket: the settings' own checked options
+            self.fields = None
+            self._by_bucket = {0: settings.selection}
+        else:
+            self.fields = settings.selection_fields()
+            self._by_bucket: dict[int, SelectionOptions] = {}
 
     def __call__(self, batch: int) -> SelectionOptions:
         """The options for a batch of ``batch`` requests."""

@@ -11,10 +11,10 @@ from sgl_ecospec.lab.engine.oracle import OracleExpertPredictor
 from sgl_ecospec.lab.engine.stats import GreedyResult, SpecResult, StepStats
 
 __all__ = [
+    "ENGINE_SELECTION",
     "GreedyResult",
     "OfflineEngine",
     "OracleExpertPredictor",
-    "ENGINE_SELECTION",
     "SpecConfig",
     "SpecResult",
     "StepStats",
