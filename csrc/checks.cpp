@@ -152,6 +152,8 @@ SelectCall check_select_verify_set_args(SGL_ECOSPEC_SELECT_VERIFY_SET_PARAMS) {
                     "select_verify_set: candidate_decay must lie in [0, 1], got ", candidate_decay);
   TORCH_CHECK_VALUE(std::isfinite(min_score) && min_score >= 0,
                     "select_verify_set: min_score must be finite and >= 0, got ", min_score);
+  TORCH_CHECK_VALUE(!round_sync || share_buffer,
+                    "select_verify_set: round_sync needs share_buffer");
   const SelectOptions options{kind,
                               eps,
                               share_buffer,
@@ -161,7 +163,8 @@ SelectCall check_select_verify_set_args(SGL_ECOSPEC_SELECT_VERIFY_SET_PARAMS) {
                               step_cost.value_or(0.0),
                               candidate_cost,
                               candidate_decay,
-                              min_score};
+                              min_score,
+                              round_sync};
   return SelectCall{scores,
                     parents,
                     node_experts,

@@ -22,7 +22,8 @@
   "Tensor? root_experts, str policy, float eps, bool share_buffer, "              \
   "Tensor? layer_weights, Tensor? expert_rank=None, int num_ranks=1, "            \
   "float total_weight=0.0, float step_tokens=1.0, float? step_cost=1.0, "        \
-  "float candidate_cost=0.0, float candidate_decay=1.0, float min_score=0.0) -> Tensor"
+  "float candidate_cost=0.0, float candidate_decay=1.0, float min_score=0.0, "     \
+  "bool round_sync=False) -> Tensor"
 
 // The C++ parameter list matching SGL_ECOSPEC_SELECT_VERIFY_SET_SCHEMA, taken only by the
 // registered kernel (select_verify_set_kernel, checks.h) and by the check it calls;
@@ -33,11 +34,11 @@
       double eps, bool share_buffer, const std::optional<at::Tensor> &layer_weights,          \
       const std::optional<at::Tensor> &expert_rank, int64_t num_ranks, double total_weight,   \
       double step_tokens, std::optional<double> step_cost, double candidate_cost,             \
-      double candidate_decay, double min_score
+      double candidate_decay, double min_score, bool round_sync
 #define SGL_ECOSPEC_SELECT_VERIFY_SET_ARGS                                                  \
   scores, parents, node_experts, budget, root_experts, policy, eps, share_buffer,          \
       layer_weights, expert_rank, num_ranks, total_weight, step_tokens, step_cost,         \
-      candidate_cost, candidate_decay, min_score
+      candidate_cost, candidate_decay, min_score, round_sync
 
 // Declares <op>_<backend> for each op. topk_to_bitmap: topk_ids int32/int64 [..., L, K] ->
 // int64 [..., L, ceil(E / 64)]. bitmap_popcount: int64 [..., W] -> int64 [...].

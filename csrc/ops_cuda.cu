@@ -71,6 +71,18 @@ int64_t select_shared_limit() {
   return limit;
 }
 
+// Blocks of select_kernel that can be resident at once on the current device with
+// `shared_bytes` of dynamic shared memory each: a cooperative launch (round_sync) may not
+// have more.
+int64_t select_resident_blocks(int64_t shared_bytes) {
+  int device = 0, processors = 0, per_processor = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&processors, cudaDevAttrMultiProcessorCount, device));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &per_processor, select_kernel, kSelectThreads, static_cast<size_t>(shared_bytes)));
+  return static_cast<int64_t>(processors) * per_processor;
+}
+
 int64_t blocks_for(int64_t rows) { return std::max<int64_t>(1, (rows + kThreads - 1) / kThreads); }
 
 }  // namespace
@@ -121,19 +133,37 @@ at::Tensor select_verify_set_cuda(const SelectCall& call) {
   at::Tensor out = at::empty({shape.batch, shape.budget}, inputs.parents.options());
   if (shape.batch == 0) return out;
 
-  const SelectLaunch launch =
-      plan_select_call(shape, call.options, inputs.placement, select_shared_limit());
-  at::Tensor scratch;
-  if (launch.layout.global_bytes > 0) {
-    scratch = at::empty({launch.blocks * launch.layout.global_bytes},
-                        inputs.parents.options().dtype(at::kByte));
+  const int64_t shared_limit = select_shared_limit();
+  // round_sync's grid: first planned for one block per multiprocessor, then checked against
+  // the occupancy its workspace allows (more requests per block when fewer fit).
+  int64_t resident = select_resident_blocks(0);
+  SelectLaunch launch = plan_select_call(shape, call.options, inputs.placement, shared_limit,
+                                         resident);
+  while (launch.rounds && launch.blocks > 1 &&
+         launch.blocks > (resident = select_resident_blocks(launch.layout.shared_bytes))) {
+    TORCH_CHECK(resident >= 1, "select_verify_set: no block of the round_sync kernel fits on "
+                               "this device");
+    launch = plan_select_call(shape, call.options, inputs.placement, shared_limit, resident);
   }
-  const SelectArgs args =
+  at::Tensor scratch;
+  if (launch.scratch_bytes() > 0) {
+    scratch = at::empty({launch.scratch_bytes()}, inputs.parents.options().dtype(at::kByte));
+  }
+  SelectArgs args =
       select_args(inputs.buffers(out), scratch.defined() ? scratch.data_ptr<uint8_t>() : nullptr,
                   shape, call.options, inputs.placement, launch);
-  select_kernel<<<static_cast<unsigned>(launch.blocks), kSelectThreads,
-                  launch.layout.shared_bytes, c10::cuda::getCurrentCUDAStream()>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  if (launch.rounds) {
+    // The blocks meet after every round (grid.sync), which only a cooperative launch allows.
+    void* params[] = {&args};
+    C10_CUDA_CHECK(cudaLaunchCooperativeKernel(
+        reinterpret_cast<void*>(select_kernel), dim3(static_cast<unsigned>(launch.blocks)),
+        dim3(kSelectThreads), params, static_cast<size_t>(launch.layout.shared_bytes), stream));
+  } else {
+    select_kernel<<<static_cast<unsigned>(launch.blocks), kSelectThreads,
+                    launch.layout.shared_bytes, stream>>>(args);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
   return out;
 }
 

@@ -94,24 +94,40 @@ void seed_buffer(const Tree& t, const Buffer& buffer, const uint64_t* roots) {
   add_to_buffer(t, buffer, roots);
 }
 
-// One turn of request b: picks its best node and takes it unless the adaptive policy
-// finds that it would lower the step's tokens per cost. False when nothing was taken.
+// Request b's choice in a turn: its best node, or index -1 when it has none or the adaptive
+// policy finds that it would lower the step's tokens per cost (tested against `account`).
 // `price`: the scheduled cost of request b's next candidate (candidate_eps).
-bool take_turn(const Tree& t, int64_t b, uint8_t* selected, const Buffer& buffer,
-               Account& account, double& price) {
+Choice choose(const Tree& t, int64_t b, const uint8_t* selected, const Buffer& buffer,
+              const Account& account, double price) {
   const double eps = candidate_eps(t.options.eps, price);
-  const Choice c = pick(t, b, selected, buffer, eps);
-  if (c.index < 0) return false;
+  Choice c = pick(t, b, selected, buffer, eps);
+  if (c.index >= 0 && t.options.policy == Policy::kAdaptive &&
+      !raises_throughput(c.priority, account.tokens, account.cost)) {
+    c.index = -1;
+  }
+  return c;
+}
+
+// Takes request b's choice `c` (index >= 0): the account, the price, the flag, the buffer.
+void take(const Tree& t, int64_t b, const Choice& c, uint8_t* selected, const Buffer& buffer,
+          Account& account, double& price) {
   if (t.options.policy == Policy::kAdaptive) {
-    if (!raises_throughput(c.priority, account.tokens, account.cost)) return false;
     account.tokens += t.prob[b * t.num_nodes + c.index];
-    account.cost += c.delta + eps;
+    account.cost += c.delta + candidate_eps(t.options.eps, price);
   }
   price = mul_rn(price, t.options.candidate_decay);
   selected[c.index] = 1;
   if (t.options.policy != Policy::kConfidence) {
     add_to_buffer(t, buffer, t.experts + (b * t.num_nodes + c.index) * t.layers * t.words);
   }
+}
+
+// One turn of request b: chooses and takes. False when nothing was taken.
+bool take_turn(const Tree& t, int64_t b, uint8_t* selected, const Buffer& buffer,
+               Account& account, double& price) {
+  const Choice c = choose(t, b, selected, buffer, account, price);
+  if (c.index < 0) return false;
+  take(t, b, c, selected, buffer, account, price);
   return true;
 }
 
@@ -167,9 +183,22 @@ at::Tensor select_verify_set_cpu(const SelectCall& call) {
     Account account{options.step_tokens * requests, options.step_cost * requests};
     std::vector<uint8_t> selected(batch * n, 0);
     std::vector<double> prices(batch, options.candidate_cost);
+    std::vector<Choice> round(options.round_sync ? batch : 0);
     for (int64_t step = 0; step < budget; ++step) {
+      if (!options.round_sync) {
+        for (int64_t b = 0; b < batch; ++b) {
+          take_turn(tree, b, selected.data() + b * n, buffer, account, prices[b]);
+        }
+        continue;
+      }
+      // Every request chooses against the round's start; the choices then enter in order.
       for (int64_t b = 0; b < batch; ++b) {
-        take_turn(tree, b, selected.data() + b * n, buffer, account, prices[b]);
+        round[b] = choose(tree, b, selected.data() + b * n, buffer, account, prices[b]);
+      }
+      for (int64_t b = 0; b < batch; ++b) {
+        if (round[b].index >= 0) {
+          take(tree, b, round[b], selected.data() + b * n, buffer, account, prices[b]);
+        }
       }
     }
     for (int64_t b = 0; b < batch; ++b) write_row(selected.data() + b * n, n, budget, out_ptr + b * budget);

@@ -22,6 +22,7 @@ struct SelectOptions {
   double step_cost;  // read by "adaptive" only, which requires it; 0 for the other policies
   double candidate_cost, candidate_decay;  // a request's k-th candidate adds cost x decay^k
   double min_score;                        // nodes scoring below it are never taken
+  bool round_sync;  // share_buffer only: a round's requests all pick against its start
 };
 
 // The sizes of a call: B requests, N candidates, L layers, W words per layer bitmap, and the

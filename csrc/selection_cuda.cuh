@@ -1,9 +1,14 @@
 // The CUDA kernel of select_verify_set (device code; the launcher is in ops_cuda.cu).
 //
-// One kernel for both modes. A block runs a group of requests on one expert buffer: one
-// block per request (per-request buffers), or one block for the whole batch (share_buffer,
+// One kernel for the three modes. A block runs a group of requests on one expert buffer: one
+// block per request (per-request buffers), one block for the whole batch (share_buffer,
 // whose turns are sequential by definition: request b's pick depends on every pick before
-// it). The work inside a turn is spread over the block:
+// it), or with round_sync a cooperative grid (one block per request up to the co-resident
+// limit) in which every block holds a copy of the batch's buffer: in a round each block
+// picks for its requests against its copy, publishes the picks, waits for the grid, and
+// merges every request's pick into its copy and account in request order, so all copies
+// stay equal. Budget rounds are then the only dependent steps, not B x budget turns. The
+// work inside a turn is spread over the block:
 //
 // - the turn's frontier (available candidates of its request) is a list in the workspace,
 //   built during the previous turn (off its critical path when the request changes);
@@ -37,89 +42,10 @@
 
 #include <cstdint>
 
-#include "selection_call.h"
 #include "selection_core.h"
-#include "selection_workspace.h"
+#include "selection_cuda_state.cuh"
 
 namespace sgl_ecospec {
-
-// The block's dynamic shared memory; test/ops/cuda_emulator.h defines its own.
-#ifndef SGL_ECOSPEC_DYNAMIC_SHARED
-#define SGL_ECOSPEC_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
-#endif
-
-constexpr unsigned kFullMask = 0xffffffffu;
-
-struct SelectArgs {
-  SelectBuffers io;         // the call's inputs and output
-  SelectShape shape;        // B, N, L, W, budget
-  SelectOptions options;    // the checked scalars (policy, eps, step account, costs, floor)
-  Placement placement;      // the EP ranks ([L_r, E]), or disabled
-  unsigned char* scratch;   // [blocks, global_bytes] or nullptr
-  int64_t requests_per_block;  // B (share_buffer) or 1
-  WorkspaceLayout layout;
-};
-
-struct Best {
-  double priority;
-  int64_t index;  // -1: no node
-  double delta;   // the node's DeltaCost (the adaptive policy adds it to the step's cost)
-};
-
-__device__ __forceinline__ Best better_of(Best a, Best b) {
-  return is_better(b.priority, b.index, a.priority, a.index) ? b : a;
-}
-
-// The block's view of its workspace.
-struct Workspace {
-  uint64_t* bitmaps;
-  double* prob;
-  uint64_t* staged;
-  int64_t* taken;
-  int32_t *peaks, *loads, *ranks;
-  int64_t* parents;
-  uint8_t* selected;
-  int64_t* frontier;
-};
-
-template <typename T>
-__device__ T* region_ptr(const SelectArgs& a, unsigned char* shared, const Region& r) {
-  unsigned char* base = r.in_shared
-                            ? shared
-                            : a.scratch + static_cast<int64_t>(blockIdx.x) * a.layout.global_bytes;
-  return reinterpret_cast<T*>(base + r.offset);
-}
-
-__device__ Workspace workspace(const SelectArgs& a, unsigned char* shared) {
-  const WorkspaceLayout& w = a.layout;
-  return Workspace{region_ptr<uint64_t>(a, shared, w.bitmaps),
-                   region_ptr<double>(a, shared, w.prob),
-                   region_ptr<uint64_t>(a, shared, w.staged),
-                   region_ptr<int64_t>(a, shared, w.taken),
-                   region_ptr<int32_t>(a, shared, w.peaks),
-                   region_ptr<int32_t>(a, shared, w.loads),
-                   region_ptr<int32_t>(a, shared, w.ranks),
-                   region_ptr<int64_t>(a, shared, w.parents),
-                   region_ptr<uint8_t>(a, shared, w.selected),
-                   region_ptr<int64_t>(a, shared, w.frontier)};
-}
-
-// The ranks of one layer's experts from the workspace's table (-1: no rank), for the
-// shared rules of selection_core.h.
-struct TableLayer {
-  const int32_t* row;  // [E]
-  int64_t num_experts;
-  __device__ int64_t operator()(int64_t e) const { return e < num_experts ? row[e] : -1; }
-};
-
-__device__ __forceinline__ TableLayer table_layer(const SelectArgs& a, const Workspace& ws,
-                                                  int64_t layer) {
-  return TableLayer{ws.ranks + layer * a.placement.layer_stride, a.placement.num_experts};
-}
-
-__device__ __forceinline__ bool needs_buffer(const SelectArgs& a) {
-  return a.options.policy != Policy::kConfidence;
-}
 
 // One warp lists the available candidates of request k of the block (ascending) in
 // `frontier`, and their count in `count`.
@@ -141,10 +67,14 @@ __device__ void list_frontier(const SelectArgs& a, const Workspace& ws, int64_t 
   if (lane == 0) *count = seen;
 }
 
-// Sets up the block's buffer (the union of its requests' roots, and with EP the loads and
-// peaks), parents, selected flags and the first frontier (list 0). Ends synchronised.
-__device__ void setup(const SelectArgs& a, const Workspace& ws, int64_t first, int64_t* counts) {
-  const int64_t group = a.requests_per_block, n = a.shape.num_nodes;
+// Sets up the block's buffer (the union of its requests' roots, or with round_sync of the
+// batch's; with EP the loads and peaks), parents, selected flags and the first frontier
+// (list 0). Ends synchronised.
+__device__ void setup(const SelectArgs& a, const Workspace& ws, int64_t first, int64_t group,
+                      int64_t* counts) {
+  const int64_t n = a.shape.num_nodes;
+  const int64_t seed_first = a.picks != nullptr ? 0 : first;
+  const int64_t seeds = a.picks != nullptr ? a.shape.batch : group;
   const int64_t layers = a.shape.layers, words = a.shape.words, lw = layers * words;
   for (int64_t j = threadIdx.x; j < group * n; j += blockDim.x) {
     ws.parents[j] = a.io.parents[first * n + j];
@@ -155,8 +85,8 @@ __device__ void setup(const SelectArgs& a, const Workspace& ws, int64_t first, i
   if (needs_buffer(a)) {
     for (int64_t j = threadIdx.x; j < lw; j += blockDim.x) {
       uint64_t word = 0;
-      for (int64_t k = 0; a.io.roots != nullptr && k < group; ++k) {
-        word |= a.io.roots[(first + k) * lw + j];
+      for (int64_t k = 0; a.io.roots != nullptr && k < seeds; ++k) {
+        word |= a.io.roots[(seed_first + k) * lw + j];
       }
       ws.bitmaps[j] = word;
     }
@@ -314,11 +244,15 @@ __device__ void prefetch_frontier(const SelectArgs& a, const Workspace& ws, int6
 // in phase 2 by warp 0 when it is the same. Every thread returns the same answer: whether a
 // node was taken. `tokens`, `cost`: the adaptive account (the same in every thread).
 // ws.taken[k]: request k's candidates taken so far, which set its next one's scheduled cost.
+// `round` (round_sync: the round's [B] picks): the pick is published there, and neither the
+// buffer nor the account changes until merge_round.
 __device__ bool take_turn(const SelectArgs& a, const Workspace& ws, int64_t first, int64_t k,
-                          int64_t next, int parity, int64_t* counts, Best* slots, double* tokens,
-                          double* cost) {
+                          int64_t next, int parity, double* tokens, double* cost,
+                          RoundPick* round) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t n = a.shape.num_nodes, lw = a.shape.layers * a.shape.words, b = first + k;
+  int64_t* counts = ws.turn->frontier_counts;
+  Best* slots = ws.turn->slots;
   const int64_t* list = ws.frontier + parity * n;
   int64_t* next_list = ws.frontier + (1 - parity) * n;
   const int64_t frontier = counts[parity];
@@ -355,10 +289,14 @@ __device__ bool take_turn(const SelectArgs& a, const Workspace& ws, int64_t firs
   bool take = best.index >= 0;
   if (take && a.options.policy == Policy::kAdaptive) {
     take = raises_throughput(best.priority, *tokens, *cost);
-    if (take) {
+    if (take && round == nullptr) {
       *tokens = add_rn(*tokens, ws.prob[k * n + best.index]);
       *cost = add_rn(*cost, add_rn(best.delta, eps));
     }
+  }
+  if (round != nullptr && threadIdx.x == 0) {
+    round[b] = take ? RoundPick{best.index, ws.prob[k * n + best.index], add_rn(best.delta, eps)}
+                    : RoundPick{-1, 0.0, 0.0};
   }
   if (warp == 0) {
     if (take && lane == 0) {
@@ -367,37 +305,20 @@ __device__ bool take_turn(const SelectArgs& a, const Workspace& ws, int64_t firs
     }
     __syncwarp();
     if (next == k) list_frontier(a, ws, first, next, next_list, counts + 1 - parity);
-  } else if (take && needs_buffer(a)) {
-    // The winner's experts enter the buffer: one thread per layer, so each layer's loads
-    // and peak have one writer. Loads only grow, so the peak is a running max.
-    const uint64_t* node = a.io.experts + (b * n + best.index) * lw;
-    const int64_t updaters = blockDim.x - 32;
-    for (int64_t l = static_cast<int64_t>(threadIdx.x) - 32; l < a.shape.layers; l += updaters) {
-      int32_t peak = a.placement.enabled ? ws.peaks[l] : 0;
-      for (int64_t w = 0; w < a.shape.words; ++w) {
-        const int64_t j = l * a.shape.words + w;
-        const uint64_t old = ws.bitmaps[j];
-        if (a.placement.enabled) {
-          const TableLayer ranks = table_layer(a, ws, l);
-          for (uint64_t fresh = node[j] & ~old; fresh != 0; fresh &= fresh - 1) {
-            const int64_t r = ranks(w * kBitsPerWord + lowest_bit(fresh));
-            if (r >= 0) peak = max(peak, ++ws.loads[l * a.placement.num_ranks + r]);
-          }
-        }
-        ws.bitmaps[j] = old | node[j];
-      }
-      if (a.placement.enabled) ws.peaks[l] = peak;
-    }
+  } else if (take && needs_buffer(a) && round == nullptr) {
+    add_to_buffer(a, ws, a.io.experts + (b * n + best.index) * lw,
+                  static_cast<int64_t>(threadIdx.x) - 32, blockDim.x - 32);
   }
   __syncthreads();
   return take;
 }
 
 // Writes each request's selected candidates ascending, then -1 padding (a warp per request).
-__device__ void write_rows(const SelectArgs& a, const Workspace& ws, int64_t first) {
+__device__ void write_rows(const SelectArgs& a, const Workspace& ws, int64_t first,
+                           int64_t group) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t n = a.shape.num_nodes;
-  for (int64_t k = warp; k < a.requests_per_block; k += kSelectWarps) {
+  for (int64_t k = warp; k < group; k += kSelectWarps) {
     int64_t* row = a.io.out + (first + k) * a.shape.budget;
     int64_t written = 0;
     for (int64_t base = 0; base < n && written < a.shape.budget; base += 32) {
@@ -415,28 +336,34 @@ __device__ void write_rows(const SelectArgs& a, const Workspace& ws, int64_t fir
   }
 }
 
-// Grid: one block per group of requests_per_block requests (B blocks of 1, or 1 block of B).
+// Grid: one block per group of requests_per_block requests (B blocks of 1, 1 block of B, or
+// a cooperative grid of ceil(B / requests_per_block) blocks with round_sync).
 __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(SelectArgs a) {
   SGL_ECOSPEC_DYNAMIC_SHARED(shared);
-  __shared__ Best slots[kSelectWarps];
-  __shared__ int64_t frontier_counts[2];
   const Workspace ws = workspace(a, shared);
-  const int64_t group = a.requests_per_block, first = blockIdx.x * group;
-  setup(a, ws, first, frontier_counts);
+  const int64_t first = blockIdx.x * a.requests_per_block, group = block_requests(a, first);
+  setup(a, ws, first, group, ws.turn->frontier_counts);
   // The adaptive account: B x step_tokens and B x step_cost with one buffer for the batch.
-  double tokens = mul_rn(a.options.step_tokens, static_cast<double>(group));
-  double cost = mul_rn(a.options.step_cost, static_cast<double>(group));
+  const double accounted = static_cast<double>(a.picks != nullptr ? a.shape.batch : group);
+  double tokens = mul_rn(a.options.step_tokens, accounted);
+  double cost = mul_rn(a.options.step_cost, accounted);
   int parity = 0;
   for (int64_t step = 0; step < a.shape.budget; ++step) {
+    // round_sync: even and odd rounds publish into different halves of the picks, so a block
+    // that starts the next round cannot overwrite picks another block is still merging.
+    RoundPick* round = a.picks == nullptr ? nullptr : a.picks + (step % 2) * a.shape.batch;
     bool any = false;
     for (int64_t k = 0; k < group; ++k, parity ^= 1) {
-      any |= take_turn(a, ws, first, k, (k + 1) % group, parity, frontier_counts, slots, &tokens,
-                       &cost);
+      any |= take_turn(a, ws, first, k, (k + 1) % group, parity, &tokens, &cost, round);
+    }
+    if (round != nullptr) {
+      SGL_ECOSPEC_GRID_SYNC();
+      any = merge_round(a, ws, round, &tokens, &cost);  // the same in every block
     }
     // A round in which no request took a node changed nothing: the next ones would repeat it.
     if (!any) break;
   }
-  write_rows(a, ws, first);
+  write_rows(a, ws, first, group);
 }
 
 }  // namespace sgl_ecospec

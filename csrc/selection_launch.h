@@ -13,23 +13,34 @@
 namespace sgl_ecospec {
 
 // How a call runs (blocks, requests per block, workspace), with at most `shared_limit` bytes
-// of dynamic shared memory per block.
+// of dynamic shared memory per block and, for round_sync, at most `max_blocks` co-resident
+// blocks.
 inline SelectLaunch plan_select_call(const SelectShape& shape, const SelectOptions& options,
-                                     const Placement& placement, int64_t shared_limit) {
+                                     const Placement& placement, int64_t shared_limit,
+                                     int64_t max_blocks) {
   const int64_t rank_rows = placement.layer_stride == 0 ? 1 : shape.layers;
   return plan_select(shape.batch, shape.num_nodes, shape.layers, shape.words, options.policy,
-                     options.share_buffer, placement.enabled, rank_rows, placement.num_experts,
-                     placement.num_ranks, shared_limit);
+                     options.share_buffer, options.round_sync, placement.enabled, rank_rows,
+                     placement.num_experts, placement.num_ranks, shared_limit, max_blocks);
 }
 
-// select_kernel's arguments. `scratch`: launch.blocks x launch.layout.global_bytes bytes, or
-// nullptr when the workspace fits in shared memory.
+// select_kernel's arguments. `scratch`: launch.scratch_bytes() bytes, or nullptr when that
+// is 0.
 inline SelectArgs select_args(const SelectBuffers& io, unsigned char* scratch,
                               const SelectShape& shape, const SelectOptions& options,
                               const Placement& placement, const SelectLaunch& launch) {
-  return SelectArgs{io, shape, options, placement,
-                    launch.layout.global_bytes > 0 ? scratch : nullptr, launch.group,
-                    launch.layout};
+  RoundPick* picks = nullptr;
+  if (launch.rounds) {
+    picks = reinterpret_cast<RoundPick*>(scratch + launch.blocks * launch.layout.global_bytes);
+  }
+  return SelectArgs{io,
+                    shape,
+                    options,
+                    placement,
+                    launch.layout.global_bytes > 0 ? scratch : nullptr,
+                    launch.group,
+                    launch.layout,
+                    picks};
 }
 
 }  // namespace sgl_ecospec

@@ -30,6 +30,7 @@ class _Options(ctypes.Structure):  # SelectOptions
     _fields_ += [("num_ranks", _I64)]
     _fields_ += [(n, _F64) for n in ("total_weight", "step_tokens", "step_cost")]
     _fields_ += [(n, _F64) for n in ("candidate_cost", "candidate_decay", "min_score")]
+    _fields_ += [("round_sync", ctypes.c_bool)]
 
 
 def build(folder: Path) -> ctypes.CDLL | None:
@@ -44,7 +45,7 @@ def build(folder: Path) -> ctypes.CDLL | None:
     assert result.returncode == 0, result.stderr[-4000:]
     lib = ctypes.CDLL(str(library))
     lib.emu_select.restype = _I64
-    lib.emu_select.argtypes = [_P] * 4 + [_I64] * 3
+    lib.emu_select.argtypes = [_P] * 4 + [_I64] * 4
     lib.emu_error.restype = ctypes.c_char_p
     return lib
 
@@ -66,11 +67,14 @@ def select_emulated(
     num_ranks=None,
     options: SelectionOptions | None = None,
     shared_limit=1 << 30,
+    max_blocks=132,
     **option_keywords,
 ) -> tuple[torch.Tensor, int]:
     """``select_verify_set``'s CUDA kernel on the CPU (arguments as the op's, converted as its
-    launcher converts them), with ``shared_limit`` bytes of shared memory. Returns the
-    selection and where the workspace went (bit 0: shared memory, bit 1: global memory)."""
+    launcher converts them), with ``shared_limit`` bytes of shared memory and, for
+    ``round_sync``, at most ``max_blocks`` co-resident blocks (an H100's multiprocessors by
+    default). Returns the selection and where the workspace went (bit 0: shared memory, bit
+    1: global memory)."""
     options = SelectionOptions.of(options, option_keywords)
     num_ranks, total_weight = resolve_ranks(expert_rank, num_ranks, options.total_weight)
     tensors = dict(
@@ -93,6 +97,7 @@ def select_emulated(
         options.candidate_cost,
         options.candidate_decay,
         options.min_score,
+        options.round_sync,
     )
     where = lib.emu_select(
         ctypes.byref(_Buffers(**{k: _ptr(t) for k, t in tensors.items()})),
@@ -102,6 +107,7 @@ def select_emulated(
         1 if rank is None or rank.dim() == 1 else rank.shape[0],
         0 if rank is None else rank.shape[-1],
         shared_limit,
+        max_blocks,
     )
     assert where >= 0, lib.emu_error().decode()
     return tensors["out"], where

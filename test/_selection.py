@@ -44,6 +44,7 @@ def python_greedy(
     options = SelectionOptions.of(options, option_keywords)
     num_ranks, total_weight = resolve_ranks(expert_rank, num_ranks, options.total_weight)
     policy, eps, share_buffer = options.policy, options.eps, options.share_buffer
+    round_sync = options.round_sync
     weights, min_score = layer_weights, options.min_score
     candidate_cost, candidate_decay = options.candidate_cost, options.candidate_decay
     step_tokens, step_cost = options.step_tokens, options.step_cost or 0.0  # "adaptive" only
@@ -89,7 +90,8 @@ def python_greedy(
         rise = max(a + b for a, b in zip(loads, adds, strict=True)) - max(loads)
         return rise + total_weight * (len(fresh) - rise)
 
-    def pick(b):
+    def pick(b, take=True):
+        """Request b's choice (None: none); taken unless ``take`` is False."""
         best, best_priority, best_cost = -1, None, 0.0
         price = candidate_cost  # of request b's next candidate: times the decay per take
         for _ in chosen[b]:
@@ -111,20 +113,31 @@ def python_greedy(
             if best < 0 or priority > best_priority:
                 best, best_priority, best_cost = i, priority, cost
         if best < 0:
-            return
+            return None
+        if policy == "adaptive" and best_priority < accounts[b][0] / accounts[b][1]:
+            return None
+        choice = (b, best, best_cost + beyond)
+        if take:
+            enter(choice)
+        return choice
+
+    def enter(choice):
+        b, best, cost = choice
         if policy == "adaptive":
-            account = accounts[b]
-            if best_priority < account[0] / account[1]:
-                return
-            account[0] += float(scores[b, best])
-            account[1] += best_cost + beyond
+            accounts[b][0] += float(scores[b, best])
+            accounts[b][1] += cost
         chosen[b].append(best)
         for layer in range(layers):
             buffers[b][layer] |= sets[b][best][layer]
 
     for _ in range(budget):
-        for b in range(batch):
-            pick(b)
+        if round_sync:  # every request chooses against the round's start, then all enter
+            for choice in [pick(b, take=False) for b in range(batch)]:
+                if choice is not None:
+                    enter(choice)
+        else:
+            for b in range(batch):
+                pick(b)
     return [sorted(c) + [-1] * (budget - len(c)) for c in chosen]
 
 

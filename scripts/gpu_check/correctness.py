@@ -20,9 +20,11 @@ import common
 import graph_check
 import torch
 from selection_cases import (
+    BUFFERS,
     CONFIGS,
     SHAPES,
     KernelUnderTest,
+    buffer_kwargs,
     cpu_op,
     selection_kwargs,
     sglang_tree,
@@ -94,7 +96,7 @@ def check_bitmaps(record, device, dry_run):
 def selection_inputs(shape, policy, ranks, share_buffer):
     batch, nodes, layers, experts, budget, ties, weighted = shape
     tree = random_draft_tree(batch, nodes, layers, experts, 8, seed=nodes, tie_levels=ties)
-    kwargs = dict(root_experts=tree.root_experts, policy=policy, share_buffer=share_buffer)
+    kwargs = dict(root_experts=tree.root_experts, policy=policy, **buffer_kwargs(share_buffer))
     if weighted:
         kwargs["layer_weights"] = torch.rand(layers, generator=torch.Generator().manual_seed(1))
     if ranks is not None:
@@ -135,7 +137,7 @@ def check_selection(record, device, dry_run):
     kernel = KernelUnderTest(device)
     for shape in DRY_SHAPES if dry_run else GPU_SHAPES:
         for policy, ranks in POLICIES:
-            for share_buffer in (False, True):
+            for share_buffer in BUFFERS:
                 args, kwargs = selection_inputs(shape, policy, ranks, share_buffer)
                 label = f"{policy} ranks={ranks} shared={share_buffer}"
                 compare_selection(record, kernel, label, args, kwargs)
@@ -154,8 +156,8 @@ def check_selection(record, device, dry_run):
         if dry_run and case == "candidates":
             continue  # 64 x 400 candidates: minutes under the emulation
         for policy in ("ecospec", "adaptive"):
-            for shared in (False, True):
-                kwargs = dict(root_experts=roots, policy=policy, share_buffer=shared, **ep)
+            for shared in BUFFERS:
+                kwargs = dict(root_experts=roots, policy=policy, **buffer_kwargs(shared), **ep)
                 kwargs["step_cost"] = 200.0
                 compare_selection(record, kernel, f"workspace {case} {policy} shared={shared}",
                                   args, kwargs)  # fmt: skip

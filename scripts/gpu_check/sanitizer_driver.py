@@ -26,9 +26,9 @@ def main() -> int:
     rank = torch.randint(0, 4, (5, 130), generator=torch.Generator().manual_seed(2))
     big_rank = torch.randint(0, 3000, (5, 130), generator=torch.Generator().manual_seed(3))
     configs = [dict(policy="confidence")] + [
-        dict(policy=policy, share_buffer=shared, **ep)
+        dict(policy=policy, share_buffer=shared is not False, round_sync=shared == "rounds", **ep)
         for policy in ("ecospec", "adaptive")
-        for shared in (False, True)
+        for shared in (False, True, "rounds")
         for ep in ({}, dict(expert_rank=rank, num_ranks=4), dict(expert_rank=big_rank,
                                                                  num_ranks=3000))
     ]  # fmt: skip

@@ -51,13 +51,13 @@ def main(argv=None) -> int:
                 row = dict(
                     model=model, layers=layers, num_experts=experts,
                     candidates=tree.scores.shape[1], budget=budget, batch=batch,
-                    policy=policy, share_buffer=shared, ep_ranks=ranks if ep else None,
+                    policy=policy, buffer=shared, ep_ranks=ranks if ep else None,
                     eager_us=eager, graph_us=graph, matches_cpu_op=matches,
                 )  # fmt: skip
                 record.add(row, ok=matches, failure=f"selection differs from the C++ op: {row}")
                 graph_text = "-" if graph is None else f"{graph:8.1f}"
                 print(
-                    f"select {model:16} {policy:10} shared={shared!s:5} ep={ep!s:5} B={batch:3} "
+                    f"select {model:16} {policy:10} shared={shared!s:6} ep={ep!s:5} B={batch:3} "
                     f"eager {eager:8.1f} us graph {graph_text} us matches={matches}",
                     flush=True,
                 )

@@ -51,6 +51,11 @@ class SelectionOptions:
         candidate_decay: in [0, 1], the factor by which each taken candidate lowers the
             request's next ``candidate_cost``.
         min_score: >= 0, the lowest score a candidate may have to be taken (0: any).
+        round_sync: with ``share_buffer``, every request of a round (its k-th pick) picks
+            against the buffer and account as they stood at the round's start, and the
+            round's picks then enter them together; without it each request sees every pick
+            made before its own. Rounds run in parallel on a GPU (budget dependent steps
+            instead of B x budget); a request no longer sees its round's earlier picks.
     """
 
     policy: str = "ecospec"
@@ -62,6 +67,7 @@ class SelectionOptions:
     candidate_cost: float = 0.0
     candidate_decay: float = 1.0
     min_score: float = 0.0
+    round_sync: bool = False
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -69,6 +75,13 @@ class SelectionOptions:
         object.__setattr__(self, "eps", check_positive("eps", self.eps))
         if not isinstance(self.share_buffer, bool):
             raise TypeError(f"share_buffer must be a bool, got {self.share_buffer!r}")
+        if not isinstance(self.round_sync, bool):
+            raise TypeError(f"round_sync must be a bool, got {self.round_sync!r}")
+        if self.round_sync and not self.share_buffer:
+            raise ValueError(
+                "round_sync=True needs share_buffer=True: with a buffer per request every "
+                "round has one pick per buffer already"
+            )
         if self.total_weight is not None:
             weight = check_finite("total_weight", self.total_weight)
             if not 0 <= weight <= 1:
@@ -108,8 +121,9 @@ class SelectionOptions:
                 raise TypeError(
                     f"unknown selection option(s) {unknown}; the options are {OPTION_NAMES}"
                 )
-            if "share_buffer" in keywords:  # the keyword form has always taken any truthy value
-                keywords = {**keywords, "share_buffer": bool(keywords["share_buffer"])}
+            # The keyword form has always taken any truthy value for the flags.
+            flags = {name: bool(keywords[name]) for name in _FLAGS if name in keywords}
+            keywords = {**keywords, **flags}
             return cls(**keywords)
         if keywords:
             raise TypeError(
@@ -134,6 +148,7 @@ class SelectionOptions:
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(SelectionOptions))
+_FLAGS = ("share_buffer", "round_sync")
 
 
 def stops_short(policy: str, min_score: float) -> bool:

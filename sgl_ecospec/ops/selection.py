@@ -89,8 +89,8 @@ def select_verify_set(
     The scalar options come either as ``options=`` (a :class:`SelectionOptions`, checked
     when it was built) or as keywords named like its fields (``policy="ecospec"``,
     ``eps=0.1``, ``share_buffer=``, ``total_weight=``, ``step_tokens=``, ``step_cost=``,
-    ``candidate_cost=``, ``candidate_decay=``, ``min_score=``; defaults and meanings as
-    there), never both (TypeError).
+    ``candidate_cost=``, ``candidate_decay=``, ``min_score=``, ``round_sync=``; defaults and
+    meanings as there), never both (TypeError).
 
     Args:
         scores: float, shape ``[B, N]``: cumulative draft probability of each candidate
@@ -197,6 +197,7 @@ def native_arguments(
         options.candidate_cost,
         options.candidate_decay,
         options.min_score,
+        options.round_sync,
     ]
 
 

@@ -46,11 +46,14 @@ def select_verify_set_reference(
     default as there).
 
     Vectorised over requests; one loop iteration per selected node (and per request in
-    turn with ``share_buffer``). With ``expert_rank`` the rank loads are recounted from the
-    buffer at every step rather than kept up to date, as the native ops do.
+    turn with ``share_buffer``, unless ``round_sync``: then a round's requests pick at once
+    against the buffer and account of the round's start). With ``expert_rank`` the rank
+    loads are recounted from the buffer at every step rather than kept up to date, as the
+    native ops do.
     """
     options = SelectionOptions.of(options, option_keywords)
     policy, eps, share_buffer = options.policy, options.eps, options.share_buffer
+    turn_by_turn = share_buffer and not options.round_sync
     batch, num_nodes = scores.shape
     device = scores.device
     prob = scores.double()
@@ -87,8 +90,9 @@ def select_verify_set_reference(
     price = torch.full((batch, 1), options.candidate_cost, dtype=torch.float64, device=device)
 
     def pick(rows: slice) -> None:
-        # rows: every request at once, or one in turn with share_buffer. Masks and where
-        # instead of boolean indexing: no data-dependent shapes, no host sync.
+        # rows: every request at once, or one in turn with share_buffer (without
+        # round_sync). Masks and where instead of boolean indexing: no data-dependent
+        # shapes, no host sync.
         sel = selected[rows]  # view [B', N]
         parent = parents[rows]
         available = (sel.gather(1, parent.clamp(min=0)) | (parent < 0)) & ~sel & eligible[rows]
@@ -105,8 +109,14 @@ def select_verify_set_reference(
             account = slice(0, 1) if share_buffer else rows
             best_priority = priority.gather(1, best)
             take &= best_priority >= (tokens[account] / cost[account])[:, None]
-            tokens[account] += torch.where(take, prob[rows].gather(1, best), 0.0)[:, 0]
-            cost[account] += torch.where(take, delta.gather(1, best) + cost_beyond, 0.0)[:, 0]
+            gained_tokens = torch.where(take, prob[rows].gather(1, best), 0.0)[:, 0]
+            gained_cost = torch.where(take, delta.gather(1, best) + cost_beyond, 0.0)[:, 0]
+            if share_buffer:  # one account: a round's takes join it in request order
+                tokens[account] = _ordered_sum(tokens[account], gained_tokens)
+                cost[account] = _ordered_sum(cost[account], gained_cost)
+            else:
+                tokens[account] += gained_tokens
+                cost[account] += gained_cost
         sel.scatter_(1, best, sel.gather(1, best) | take)
         price[rows] = torch.where(take, price[rows] * options.candidate_decay, price[rows])
         if policy != "confidence":
@@ -118,8 +128,8 @@ def select_verify_set_reference(
             else:
                 buffer[rows] |= gained
 
-    for _ in range(budget if num_nodes else 0):
-        if share_buffer:
+    for _ in range(budget if num_nodes and batch else 0):
+        if turn_by_turn:
             for b in range(batch):
                 pick(slice(b, b + 1))
         else:
@@ -180,6 +190,12 @@ def _layer_sum(values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tens
         return values.sum(-1)
     # cumsum adds left to right, the same order as the native loop, so the floats agree.
     return values.cumsum(-1)[..., -1]
+
+
+def _ordered_sum(start: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:
+    """``start`` float64 ``[1]`` plus ``terms`` ``[B']`` added one after another in order (as
+    the native ops' running account), as ``[1]``."""
+    return torch.cat([start, terms]).cumsum(0)[-1:]
 
 
 def _or_reduce(bitmaps: torch.Tensor) -> torch.Tensor:

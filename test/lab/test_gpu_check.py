@@ -62,15 +62,18 @@ def test_rank_major_placement(selection):
 def test_target_verdict(selection):
     verdict = selection["target_verdict"]
 
-    def row(us, shared=True, batch=64):
+    def row(us, buffer="rounds", batch=64):
         return dict(
-            model="m", policy="ecospec", share_buffer=shared, batch=batch, ep_ranks=8, graph_us=us
+            model="m", policy="ecospec", buffer=buffer, batch=batch, ep_ranks=8, graph_us=us
         )
 
-    assert verdict([row(12.0), row(29.0), row(500.0, shared=False)]).startswith("met")
-    assert verdict([row(12.0), row(31.0)]).startswith("NOT met: slowest")
+    # The target is round_sync's; the turn-by-turn rows are reported beside it.
+    met = verdict([row(12.0), row(29.0), row(500.0, buffer=True), row(900.0, buffer=False)])
+    assert met.startswith("met") and met.endswith("turn by turn: m ecospec EP, 500.0 us per call")
+    assert verdict([row(12.0), row(31.0)]).startswith("NOT met: slowest round_sync row")
     assert verdict([row(None)]).startswith("not measured")
     assert verdict([row(5.0, batch=8)]).startswith("not measured")
+    assert verdict([row(5.0, buffer=True)]).startswith("not measured")
 
 
 def test_verify_moe_graph_check_fails_a_wrong_kernel(graphs, monkeypatch):
@@ -138,7 +141,7 @@ def test_cpu_dry_run_passes_every_stage(tmp_path):
     emulated = [r for r in correctness["rows"] if r["check"] == "selection"]
     assert len(emulated) > 40 and all(r["deterministic"] and r["equals_cpu_op"] for r in emulated)
     selection = json.loads((tmp_path / "selection.json").read_text())
-    assert {(r["share_buffer"], r["ep_ranks"]) for r in selection["rows"]} >= {(True, 2)}
+    assert {(r["buffer"], r["ep_ranks"]) for r in selection["rows"]} >= {(True, 2), ("rounds", 2)}
     if shutil.which("nvcc"):
         assert "select_kernel (sm_90)`: Used" in summary  # the ptxas report
 

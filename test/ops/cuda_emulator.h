@@ -1,6 +1,7 @@
 // A CPU emulation of the CUDA features csrc/selection_cuda.cuh uses, so that the kernel's
 // own source runs in the tests without a GPU (test/ops/test_cuda_emulated.py): every thread
-// of a block is a fiber (ucontext), and blocks run one after another.
+// of a block is a fiber (ucontext), and blocks run one after another, or side by side in a
+// cooperative launch, whose grid-wide barrier (grid_sync) every thread of every block meets.
 //
 // What it checks: the kernel's logic, indexing and arithmetic (compiled with
 // -ffp-contract=off, so doubles round as on the GPU with mul_rn / add_rn), that every thread
@@ -107,49 +108,91 @@ inline std::unique_ptr<Fiber> make_fiber(Block& blk, unsigned t, size_t stack) {
   return f;
 }
 
-// Runs the fibers of a block until all are done; false on a failure or deadlock.
-inline bool run(Block& blk) {
-  for (size_t live = blk.fibers.size(); live > 0 && blk.failure.empty();) {
-    bool ran = false;
-    live = 0;
-    for (auto& f : blk.fibers) {
-      if (f->done) continue;
-      ++live;
-      if (f->wait_on != nullptr && *f->wait_on == f->wait_from) continue;
-      f->wait_on = nullptr;
-      blk.current = f.get();
-      ran = true;
-      swapcontext(&blk.scheduler, &f->context);
-      blk.current = nullptr;
-      if (!blk.failure.empty()) return false;
-    }
-    if (live > 0 && !ran) blk.failure = "deadlock: threads wait at a barrier others never reach";
-  }
-  return blk.failure.empty();
+// The barrier of a cooperative launch's whole grid (grid_sync), and its thread count; the
+// count is 0 outside a cooperative launch.
+struct Grid {
+  Barrier barrier;
+  uint64_t threads = 0;
+};
+
+inline Grid& grid() {
+  static Grid running;
+  return running;
 }
 
-// Runs `kernel(args)` on a grid of `grid` blocks of `threads` threads; throws
-// std::runtime_error when the emulation finds a fault.
-template <typename Args>
-void launch(void (*kernel)(Args), unsigned grid, unsigned threads, size_t shared_bytes,
-            const Args& args) {
-  constexpr size_t kStack = 256 * 1024;
-  if (threads % 32 != 0) throw std::runtime_error("threads must be a multiple of 32");
-  for (unsigned b = 0; b < grid; ++b) {
-    Block blk;
-    blk.index.x = b;
-    blk.dim.x = threads;
-    blk.shared.assign(shared_bytes + 16, 0xA5);  // garbage, as on a GPU
-    blk.warps.resize(threads / 32);
-    blk.body = [&] { kernel(args); };
-    for (unsigned t = 0; t < threads; ++t) blk.fibers.push_back(make_fiber(blk, t, kStack));
-    block() = &blk;
-    const bool ok = run(blk);
-    block() = nullptr;
-    if (!ok) {
-      throw std::runtime_error("cuda emulator: block " + std::to_string(b) + ": " + blk.failure);
+// Runs `blocks` side by side (a fiber of each in turn) until all are done; the failed
+// block's index, or -1.
+inline long run(std::vector<std::unique_ptr<Block>>& blocks) {
+  for (size_t live = 1; live > 0;) {
+    bool ran = false;
+    live = 0;
+    for (auto& blk : blocks) {
+      for (auto& f : blk->fibers) {
+        if (f->done) continue;
+        ++live;
+        if (f->wait_on != nullptr && *f->wait_on == f->wait_from) continue;
+        f->wait_on = nullptr;
+        block() = blk.get();
+        blk->current = f.get();
+        ran = true;
+        swapcontext(&blk->scheduler, &f->context);
+        blk->current = nullptr;
+        block() = nullptr;
+        if (!blk->failure.empty()) return static_cast<long>(blk->index.x);
+      }
+    }
+    if (live > 0 && !ran) {
+      blocks.front()->failure = "deadlock: threads wait at a barrier others never reach";
+      return static_cast<long>(blocks.front()->index.x);
     }
   }
+  return -1;
+}
+
+inline std::unique_ptr<Block> make_block(unsigned index, unsigned threads, size_t shared_bytes,
+                                         std::function<void()> body) {
+  constexpr size_t kStack = 256 * 1024;
+  auto blk = std::make_unique<Block>();
+  blk->index.x = index;
+  blk->dim.x = threads;
+  blk->shared.assign(shared_bytes + 16, 0xA5);  // garbage, as on a GPU
+  blk->warps.resize(threads / 32);
+  blk->body = std::move(body);
+  for (unsigned t = 0; t < threads; ++t) blk->fibers.push_back(make_fiber(*blk, t, kStack));
+  return blk;
+}
+
+// Runs `kernel(args)` on a grid of `grid_size` blocks of `threads` threads, one block after
+// another, or all side by side when `cooperative` (as cudaLaunchCooperativeKernel, which
+// grid_sync needs); throws std::runtime_error when the emulation finds a fault.
+template <typename Args>
+void launch(void (*kernel)(Args), unsigned grid_size, unsigned threads, size_t shared_bytes,
+            const Args& args, bool cooperative = false) {
+  if (threads % 32 != 0) throw std::runtime_error("threads must be a multiple of 32");
+  if (grid_size == 0) return;
+  const auto body = [&] { kernel(args); };
+  grid() = Grid{};
+  grid().threads = cooperative ? static_cast<uint64_t>(grid_size) * threads : 0;
+  const unsigned batches = cooperative ? 1 : grid_size;
+  for (unsigned first = 0; first < grid_size; first += grid_size / batches) {
+    std::vector<std::unique_ptr<Block>> blocks;
+    for (unsigned b = first; b < first + grid_size / batches; ++b) {
+      blocks.push_back(make_block(b, threads, shared_bytes, body));
+    }
+    const long failed = run(blocks);
+    if (failed >= 0) {
+      grid() = Grid{};
+      throw std::runtime_error("cuda emulator: block " + std::to_string(failed) + ": " +
+                               blocks[failed - first]->failure);
+    }
+  }
+  grid() = Grid{};
+}
+
+// The grid-wide barrier of a cooperative launch.
+inline void grid_sync() {
+  if (grid().threads == 0) fail("grid sync outside a cooperative launch");
+  wait(grid().barrier, grid().threads);
 }
 
 // All 32 lanes of the calling warp deposit a value; each gets every lane's value.
@@ -197,6 +240,7 @@ T from_bits(uint64_t b) {
 #define blockIdx (::emu::block()->index)
 #define blockDim (::emu::block()->dim)
 #define SGL_ECOSPEC_DYNAMIC_SHARED(name) unsigned char* name = ::emu::block()->shared.data()
+#define SGL_ECOSPEC_GRID_SYNC() ::emu::grid_sync()
 
 inline void __syncthreads() { ::emu::wait(::emu::block()->barrier, ::emu::block()->dim.x); }
 
@@ -234,6 +278,11 @@ inline unsigned __reduce_add_sync(unsigned mask, unsigned value) {
   unsigned sum = 0;
   for (int lane = 0; lane < 32; ++lane) sum += static_cast<unsigned>(all[lane]);
   return sum;
+}
+
+template <typename T>
+T __ldcg(const T* address) {  // one memory: no cache to bypass
+  return *address;
 }
 
 inline int __popc(unsigned x) { return __builtin_popcount(x); }

@@ -51,7 +51,15 @@ def ep_kwargs(layers, experts, ranks, seed, per_layer=True):
     return dict(expert_rank=torch.randint(0, ranks, shape, generator=gen), num_ranks=ranks)
 
 
-@pytest.mark.parametrize("share_buffer", [True, False])
+# How the buffer is kept: one per request, one for the batch turn by turn, or round_sync.
+BUFFER_MODES = {
+    "per_request": dict(share_buffer=False),
+    "turns": dict(share_buffer=True),
+    "rounds": dict(share_buffer=True, round_sync=True),
+}
+
+
+@pytest.mark.parametrize("mode", list(BUFFER_MODES))
 @pytest.mark.parametrize(
     "policy, ranks, weighted",
     [
@@ -75,10 +83,10 @@ def ep_kwargs(layers, experts, ranks, seed, per_layer=True):
     ],
 )
 def test_emulated_kernel_at_serving_shapes_and_edges(
-    lib, share_buffer, policy, ranks, weighted, batch, nodes, layers, experts, budget
+    lib, mode, policy, ranks, weighted, batch, nodes, layers, experts, budget
 ):
     tree = random_draft_tree(batch, nodes, layers, experts, 8, seed=nodes + layers)
-    kwargs = dict(root_experts=tree.root_experts, policy=policy, share_buffer=share_buffer)
+    kwargs = dict(root_experts=tree.root_experts, policy=policy, **BUFFER_MODES[mode])
     if weighted:
         kwargs["layer_weights"] = torch.rand(layers, generator=torch.Generator().manual_seed(1))
     if ranks is not None:
@@ -153,3 +161,28 @@ def test_emulated_kernel_with_an_h200s_shared_memory(lib, case, share_buffer):
         del kwargs["total_weight"]
     where = assert_matches(lib, args, kwargs, shared_limit=227 * 1024 - 400)
     assert where == (3 if case == "loads" or share_buffer else 1)
+
+
+@pytest.mark.parametrize("max_blocks", [1, 2, 3, 64])
+@pytest.mark.parametrize("policy, ranks", [("ecospec", None), ("ecospec", 4), ("adaptive", 3)])
+def test_emulated_round_sync_grid(lib, max_blocks, policy, ranks):
+    # A cooperative grid of at most max_blocks blocks: one request each, or several (the last
+    # block holding fewer), every block merging all the round's picks into its own copy of
+    # the buffer and account; in shared memory and in global scratch.
+    tree = random_draft_tree(5, 24, 6, 96, 6, seed=2)
+    kwargs = dict(root_experts=tree.root_experts, policy=policy, share_buffer=True)
+    kwargs.update(round_sync=True, candidate_cost=1.5, candidate_decay=0.5)
+    if ranks is not None:
+        kwargs.update(ep_kwargs(6, 96, ranks, seed=ranks))
+    if policy == "adaptive":
+        kwargs["step_cost"] = 40.0
+    args = (tree.scores, tree.parents, tree.node_experts, 7)
+    expected = select_verify_set_reference(*args, **kwargs)
+    turn_by_turn = select_verify_set_reference(*args, **{**kwargs, "round_sync": False})
+    assert not torch.equal(expected, turn_by_turn)  # the rounds see fewer picks: other sets
+    for limit in LIMITS[:2]:
+        got, where = select_emulated(
+            lib, *args, shared_limit=limit, max_blocks=max_blocks, **kwargs
+        )
+        assert torch.equal(got, expected), (got, expected)
+        assert where == (1 if limit else 2)

@@ -44,10 +44,12 @@ def ep_keywords(ep: bool, *, per_layer: bool = True) -> dict:
     return {"expert_rank": torch.randint(0, R, shape, generator=gen), "num_ranks": R}
 
 
-def options(policy: str, share_buffer: bool) -> SelectionOptions:
+def options(policy: str, share_buffer: bool | str) -> SelectionOptions:
+    """``share_buffer``: a bool, or "rounds" (a shared buffer with round_sync)."""
     return SelectionOptions(
         policy=policy,
-        share_buffer=share_buffer,
+        share_buffer=bool(share_buffer),
+        round_sync=share_buffer == "rounds",
         step_cost=20.0 if policy == "adaptive" else None,
     )
 
@@ -99,7 +101,7 @@ def test_bitmap_ops_compile_as_one_graph(impl, backend, num_experts, dtype):
 
 
 @pytest.mark.parametrize("ep", [False, True], ids=["flat", "ep"])
-@pytest.mark.parametrize("share_buffer", [False, True], ids=["own", "shared"])
+@pytest.mark.parametrize("share_buffer", [False, True, "rounds"], ids=["own", "shared", "rounds"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_select_verify_set_compiles_as_one_graph(impl, policy, share_buffer, ep):
     t = tree()

@@ -99,6 +99,7 @@ TREE_CASE_FIELDS = {
     "tie_levels": st.sampled_from([0, 2, 5]),
     "policy": st.sampled_from(["confidence", "ecospec", "adaptive"]),
     "share_buffer": st.booleans(),
+    "round_sync": st.booleans(),  # with share_buffer only
     "with_root": st.booleans(),
     "weights": st.sampled_from([None, "ones", "integers", "random"]),
     "eps": st.sampled_from([1e-3, 0.1, 1.0, 7.5]),
@@ -161,6 +162,7 @@ def build_case(case):
         policy=case["policy"],
         eps=case["eps"],
         share_buffer=case["share_buffer"],
+        round_sync=case["share_buffer"] and case.get("round_sync", False),
         layer_weights=weights,
         candidate_cost=case["candidate_cost"],
         candidate_decay=case["candidate_decay"],

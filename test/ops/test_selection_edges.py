@@ -276,6 +276,12 @@ def test_cycles_are_never_selected_without_validation(impl):
         (dict(options=SelectionOptions(), eps=0.2), TypeError, "either as options= or as keywords"),
         (dict(options={"eps": 0.2}), TypeError, "options must be a SelectionOptions"),
         (dict(epsilon=0.2), TypeError, r"unknown selection option\(s\) \['epsilon'\]"),
+        (dict(round_sync=True), ValueError, "round_sync=True needs share_buffer=True"),
+        (
+            dict(options=SelectionOptions(share_buffer=True), round_sync=1),
+            TypeError,
+            "either as options= or as keywords",
+        ),
     ],
 )
 def test_bad_arguments(kwargs, error, message):
@@ -312,3 +318,24 @@ def test_options_and_keywords_select_alike(impl):
         assert torch.equal(by_keywords, by_options)
     # The paper's example: ecospec takes t2, confidence t1, a floor of 0.5 t1 alone.
     assert by_options.tolist() == [[0, 1]]
+
+
+def test_round_sync_picks_against_the_round_start(impl):
+    # Request 0 ranks x (0.5, expert 1) over y (0.4, expert 2); request 1 ranks u (0.5,
+    # expert 3) over v (0.4, expert 1) on an empty buffer. Turn by turn, request 1 sees x's
+    # expert 1 already loaded and takes v (0.4 / 0.1 against 0.5 / 1.1); with round_sync both
+    # pick against the round's start, so request 1 takes u.
+    scores = torch.tensor([[0.5, 0.4], [0.5, 0.4]])
+    parents = torch.full((2, 2), -1)
+    node_experts = torch.stack(
+        [torch.stack([experts([1]), experts([2])]), torch.stack([experts([3]), experts([1])])]
+    )
+    kwargs = dict(policy="ecospec", eps=0.1, share_buffer=True, impl=impl)
+    turns = select_verify_set(scores, parents, node_experts, 1, **kwargs)
+    rounds = select_verify_set(scores, parents, node_experts, 1, round_sync=True, **kwargs)
+    assert turns.tolist() == [[0], [1]]
+    assert rounds.tolist() == [[0], [0]]
+    # Round 2 starts from experts {1, 3}: request 0's y (expert 2) and request 1's v (expert 1,
+    # loaded) are all that is left, so both rules end with every node.
+    rounds = select_verify_set(scores, parents, node_experts, 2, round_sync=True, **kwargs)
+    assert rounds.tolist() == [[0, 1], [0, 1]]
