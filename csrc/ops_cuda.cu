@@ -148,6 +148,9 @@ at::Tensor select_verify_set_cuda(const SelectCall& call) {
   at::Tensor scratch;
   if (launch.scratch_bytes() > 0) {
     scratch = at::empty({launch.scratch_bytes()}, inputs.parents.options().dtype(at::kByte));
+    if (launch.union_bytes > 0) {
+      scratch.narrow(0, launch.union_offset(), launch.union_bytes).zero_();
+    }
   }
   SelectArgs args =
       select_args(inputs.buffers(out), scratch.defined() ? scratch.data_ptr<uint8_t>() : nullptr,

@@ -305,9 +305,14 @@ __device__ bool take_turn(const SelectArgs& a, const Workspace& ws, int64_t firs
     }
     __syncwarp();
     if (next == k) list_frontier(a, ws, first, next, next_list, counts + 1 - parity);
-  } else if (take && needs_buffer(a) && round == nullptr) {
-    add_to_buffer(a, ws, a.io.experts + (b * n + best.index) * lw,
-                  static_cast<int64_t>(threadIdx.x) - 32, blockDim.x - 32);
+  } else if (take && needs_buffer(a)) {
+    const uint64_t* node = a.io.experts + (b * n + best.index) * lw;
+    const int64_t thread = static_cast<int64_t>(threadIdx.x) - 32, threads = blockDim.x - 32;
+    if (round == nullptr) {
+      add_to_buffer(a, ws, node, thread, threads);
+    } else {
+      publish_pick(a, node, thread, threads);
+    }
   }
   __syncthreads();
   return take;

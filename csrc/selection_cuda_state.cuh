@@ -34,7 +34,8 @@ struct SelectArgs {
   unsigned char* scratch;   // [blocks, global_bytes] or nullptr
   int64_t requests_per_block;  // B (share_buffer), 1, or ceil(B / blocks) (round_sync)
   WorkspaceLayout layout;
-  RoundPick* picks;  // [2, B]: the picks of even and odd rounds (round_sync), or nullptr
+  uint64_t* picked;  // [L, W]: round_sync: the union of every pick so far; else nullptr
+  RoundPick* picks;  // [2, B]: round_sync: the picks of even and odd rounds; else nullptr
 };
 
 __device__ __forceinline__ Best better_of(Best a, Best b) {
@@ -53,7 +54,6 @@ struct Workspace {
   uint8_t* selected;
   int64_t* frontier;
   uint64_t* gained;
-  int64_t* picked;
 };
 
 template <typename T>
@@ -77,8 +77,7 @@ __device__ Workspace workspace(const SelectArgs& a, unsigned char* shared) {
                    region_ptr<int64_t>(a, shared, w.parents),
                    region_ptr<uint8_t>(a, shared, w.selected),
                    region_ptr<int64_t>(a, shared, w.frontier),
-                   region_ptr<uint64_t>(a, shared, w.gained),
-                   region_ptr<int64_t>(a, shared, w.picked)};
+                   region_ptr<uint64_t>(a, shared, w.gained)};
 }
 
 // The requests of this block: requests_per_block, fewer in a round_sync grid's last block.
@@ -135,37 +134,43 @@ __device__ __forceinline__ T load_from_grid(const T* p) {
   return __ldcg(p);
 }
 
-// round_sync: after the grid met, every block merges the round's picks of all B requests
-// (`round`, [B]) into its copy of the buffer and of the adaptive account, in request order
-// (the same sums in every block, and as the reference's). Every thread returns whether any
-// request took a node. Ends synchronised.
+// round_sync: a block's pick `node` ([L, W]) joins the union of the picks (a.picked), a word
+// per thread (thread `thread` of `threads`); the other blocks read it after the grid met.
+__device__ void publish_pick(const SelectArgs& a, const uint64_t* node, int64_t thread,
+                             int64_t threads) {
+  for (int64_t j = thread; j < a.shape.layers * a.shape.words; j += threads) {
+    const uint64_t bits = node[j];
+    if (bits != 0) {
+      atomicOr(reinterpret_cast<unsigned long long*>(a.picked + j),
+               static_cast<unsigned long long>(bits));
+    }
+  }
+}
+
+// round_sync: after the grid met, every block merges the round into its copy of the buffer
+// (the union of every pick so far: a word per thread, whatever B) and of the adaptive
+// account (the round's picks, `round` [B], in request order: the same sums in every block,
+// and as the reference's). Every thread returns whether any request took a node. Ends
+// synchronised.
 __device__ bool merge_round(const SelectArgs& a, const Workspace& ws, const RoundPick* round,
                             double* tokens, double* cost) {
-  const int64_t batch = a.shape.batch, lw = a.shape.layers * a.shape.words;
-  for (int64_t b = threadIdx.x; b < batch; b += blockDim.x) {
-    const int64_t index = load_from_grid(&round[b].index);
-    ws.picked[b] = index >= 0 ? (b * a.shape.num_nodes + index) * lw : -1;
+  for (int64_t j = threadIdx.x; j < a.shape.layers * a.shape.words; j += blockDim.x) {
+    const uint64_t word = load_from_grid(a.picked + j);
+    // With EP the fresh experts enter through add_to_buffer, one writer per layer.
+    if (a.placement.enabled) {
+      ws.gained[j] = word;
+    } else {
+      ws.bitmaps[j] |= word;
+    }
   }
   bool any = false;
-  for (int64_t b = 0; b < batch; ++b) {
+  for (int64_t b = 0; b < a.shape.batch; ++b) {
     if (load_from_grid(&round[b].index) < 0) continue;
     any = true;
     if (a.options.policy == Policy::kAdaptive) {
       *tokens = add_rn(*tokens, load_from_grid(&round[b].tokens));
       *cost = add_rn(*cost, load_from_grid(&round[b].cost));
     }
-  }
-  __syncthreads();
-  // The round's experts, a thread per word; with EP they enter through add_to_buffer,
-  // which counts each layer's fresh experts on their ranks with one writer per layer.
-  uint64_t* gained = a.placement.enabled ? ws.gained : ws.bitmaps;
-  for (int64_t j = threadIdx.x; j < lw; j += blockDim.x) {
-    uint64_t word = a.placement.enabled ? 0 : ws.bitmaps[j];
-    for (int64_t b = 0; b < batch; ++b) {
-      const int64_t at = ws.picked[b];
-      if (at >= 0) word |= a.io.experts[at + j];
-    }
-    gained[j] = word;
   }
   if (a.placement.enabled) {
     __syncthreads();
@@ -174,6 +179,5 @@ __device__ bool merge_round(const SelectArgs& a, const Workspace& ws, const Roun
   __syncthreads();
   return any;
 }
-
 
 }  // namespace sgl_ecospec

@@ -25,13 +25,15 @@ inline SelectLaunch plan_select_call(const SelectShape& shape, const SelectOptio
 }
 
 // select_kernel's arguments. `scratch`: launch.scratch_bytes() bytes, or nullptr when that
-// is 0.
+// is 0, with its union_bytes at union_offset() zeroed.
 inline SelectArgs select_args(const SelectBuffers& io, unsigned char* scratch,
                               const SelectShape& shape, const SelectOptions& options,
                               const Placement& placement, const SelectLaunch& launch) {
+  uint64_t* picked = nullptr;
   RoundPick* picks = nullptr;
   if (launch.rounds) {
-    picks = reinterpret_cast<RoundPick*>(scratch + launch.blocks * launch.layout.global_bytes);
+    picked = reinterpret_cast<uint64_t*>(scratch + launch.union_offset());
+    picks = reinterpret_cast<RoundPick*>(scratch + launch.union_offset() + launch.union_bytes);
   }
   return SelectArgs{io,
                     shape,
@@ -40,6 +42,7 @@ inline SelectArgs select_args(const SelectBuffers& io, unsigned char* scratch,
                     launch.layout.global_bytes > 0 ? scratch : nullptr,
                     launch.group,
                     launch.layout,
+                    picked,
                     picks};
 }
 

@@ -54,8 +54,7 @@ struct WorkspaceLayout {
   Region parents;   // int64 [G, N]
   Region selected;  // uint8 [G, N]
   Region frontier;  // int64 [2, N]: available candidates of this turn's and the next request
-  Region gained;    // uint64 [L, W]: the experts a round_sync round's picks add
-  Region picked;    // int64 [B]: offset of each request's pick of the round, -1: none
+  Region gained;    // uint64 [L, W]: the experts a round_sync round's picks add (EP)
   int64_t shared_bytes = 0, global_bytes = 0;  // global_bytes: per block
 };
 
@@ -63,11 +62,10 @@ struct WorkspaceLayout {
 // `shared_limit` bytes), in the order the turns use them most, and the rest in a global
 // scratch slice per block. `group`: requests per block; `buffer`: the policy reads the
 // expert buffer; `ep`: with a placement of `rank_rows` x E ranks over R ranks; `rounds`: the
-// blocks merge each round's picks of all `batch` requests (round_sync).
+// blocks merge each round's picks (round_sync).
 inline WorkspaceLayout plan_workspace(int64_t group, int64_t n, int64_t layers, int64_t words,
                                       bool buffer, bool ep, int64_t rank_rows, int64_t experts,
-                                      int64_t ranks, bool rounds, int64_t batch,
-                                      int64_t shared_limit) {
+                                      int64_t ranks, bool rounds, int64_t shared_limit) {
   WorkspaceLayout w;
   auto place = [&w, shared_limit](Region& r, int64_t bytes) {
     const int64_t size = (bytes + 15) / 16 * 16;
@@ -89,22 +87,23 @@ inline WorkspaceLayout plan_workspace(int64_t group, int64_t n, int64_t layers, 
   place(w.peaks, with_ep ? layers * 4 : 0);
   place(w.loads, with_ep ? layers * ranks * 4 : 0);
   place(w.ranks, with_ep ? rank_rows * experts * 4 : 0);
-  place(w.picked, rounds ? batch * 8 : 0);
-  place(w.gained, rounds ? layers * words * 8 : 0);
+  place(w.gained, rounds && with_ep ? layers * words * 8 : 0);
   return w;
 }
 
 // How one call runs: `blocks` blocks of up to `group` requests each (the last block may
 // have fewer), and their workspace. `rounds`: a cooperative launch whose blocks meet after
-// every round (round_sync), exchanging their picks through `grid_bytes` of global scratch
-// placed after the blocks' slices. The launcher (ops_cuda.cu) and the CPU emulation of the
-// tests both plan a call with it.
+// every round (round_sync), exchanging their picks through global scratch placed after the
+// blocks' slices: the union of every pick so far (uint64 [L, W], `union_bytes`, which must
+// be zero at launch), then the picks of even and odd rounds (RoundPick [2, B]). The launcher
+// (ops_cuda.cu) and the CPU emulation of the tests both plan a call with it.
 struct SelectLaunch {
   int64_t blocks, group;
   bool rounds;
   WorkspaceLayout layout;
-  int64_t grid_bytes;
-  int64_t scratch_bytes() const { return blocks * layout.global_bytes + grid_bytes; }
+  int64_t union_bytes, picks_bytes;
+  int64_t union_offset() const { return blocks * layout.global_bytes; }
+  int64_t scratch_bytes() const { return union_offset() + union_bytes + picks_bytes; }
 };
 
 // "confidence" reads no buffer, so its picks are the same with or without share_buffer: it
@@ -119,13 +118,16 @@ inline SelectLaunch plan_select(int64_t batch, int64_t n, int64_t layers, int64_
   const bool rounds = share_buffer && round_sync && buffer;
   const bool one_block = share_buffer && buffer && !rounds;
   int64_t group = one_block ? batch : 1;
-  if (rounds && max_blocks >= 1 && batch > max_blocks) group = (batch + max_blocks - 1) / max_blocks;
+  if (rounds && max_blocks >= 1 && batch > max_blocks) {
+    group = (batch + max_blocks - 1) / max_blocks;
+  }
   const int64_t blocks = one_block ? 1 : (batch + group - 1) / group;
   return SelectLaunch{blocks,
                       group,
                       rounds,
                       plan_workspace(group, n, layers, words, buffer, ep, rank_rows, experts,
-                                     ranks, rounds, batch, shared_limit),
+                                     ranks, rounds, shared_limit),
+                      rounds ? layers * words * 8 : 0,
                       rounds ? 2 * batch * static_cast<int64_t>(sizeof(RoundPick)) : 0};
 }
 

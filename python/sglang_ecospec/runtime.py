@@ -189,7 +189,7 @@ class EcoSpecRuntime:
             settings.policy,
             settings.eps,
             "on" if settings.recall_weighted_cost else "off",
-            settings.share_buffer,
+            f"{settings.share_buffer}{' (round_sync)' if settings.round_sync else ''}",
             f"over {placement.num_ranks} ranks" if placement is not None else "off",
             settings.learn,
             "on" if self.verify_moe is not None else "off",

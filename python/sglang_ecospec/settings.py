@@ -88,6 +88,10 @@ class EcoSpecSettings:
             stopped and the fallback used.
         share_buffer: one expert buffer for the whole batch, seeded with every request's
             bonus token (a batched verify pass loads the union); False: one per request.
+        round_sync: with share_buffer, the batch's requests pick each candidate at once
+            against the buffer of the round's start (``SelectionOptions.round_sync``): on a
+            GPU budget parallel rounds instead of batch x budget sequential turns, for
+            "ecospec" and "adaptive" at large batches.
         ep_cost: under expert parallelism (SGLang's ep_size > 1) price a candidate by the
             rise of the busiest EP rank's expert loads (``select_verify_set(expert_rank=)``);
             False: count experts as without EP.
@@ -167,6 +171,7 @@ class EcoSpecSettings:
     calibrate_repeats: int | None = None
     calibrate_timeout: float = 1800.0
     share_buffer: bool = SERVED_SHARE_BUFFER
+    round_sync: bool = False
     ep_cost: bool = True
     total_weight: float | None = None
     predictor: str = "online"
@@ -274,6 +279,7 @@ class EcoSpecSettings:
         fields = dict(
             policy=self.policy,
             share_buffer=self.share_buffer,
+            round_sync=self.round_sync,
             total_weight=total_weight,
             min_score=self.min_score,
         )

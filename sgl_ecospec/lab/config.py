@@ -168,10 +168,15 @@ class BenchConfig(_Config):
     pareto: bool = False
     pareto_eps: tuple[float, ...] = (0.01, 0.03, 0.3, 1.0)
     paired: bool = False
+    round_sync: bool = False
     plot: bool = dataclasses.field(default=False, repr=False, compare=False)
 
     def __post_init__(self):
         _check_at_least_one(self, ("num_prompts", "max_new_tokens", "batch_size", "topk", "steps"))
+        if self.round_sync and not self.share_buffer:
+            raise ValueError(
+                "--round-sync changes how the batch's one buffer fills: drop --no-share-buffer"
+            )
         unknown = [p for p in self.policies if p not in BENCH_POLICIES]
         if unknown or not self.policies:
             raise ValueError(
@@ -257,6 +262,7 @@ class BenchConfig(_Config):
             pareto=bool(args.pareto),
             pareto_eps=_floats(args.pareto_eps, "--pareto-eps"),
             paired=args.paired,
+            round_sync=args.round_sync,
             plot=bool(args.plot),
         )
 

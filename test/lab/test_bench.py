@@ -42,6 +42,7 @@ def test_defaults_validate():
     cfg = _validate(["--budgets", "8,1,2", "--dataset", "gsm8k", "--prompts", "a.jsonl"])
     assert cfg["budgets"] == [1, 2, 4, 8] and cfg["datasets"] == ["gsm8k", "a.jsonl"]
     assert _validate(["--no-share-buffer"])["share_buffer"] is False
+    assert cfg["round_sync"] is False and _validate(["--round-sync"])["round_sync"] is True
     assert _validate(["--plot", "--budgets", "1,2"])["budgets"] == [1, 2, 4]
 
 
@@ -56,6 +57,7 @@ def test_defaults_validate():
         (["--budgets", "1,x"], "--budgets must be comma-separated positive ints"),
         (["--plot"], "--plot draws experts against budget"),
         (["--eps", "0"], "--eps must be > 0"),
+        (["--round-sync", "--no-share-buffer"], "--round-sync changes how the batch's one"),
         (["--min-score", "-0.1"], "--min-score must be a draft probability >= 0"),
         (["--min-score", "0.1", "--policy", "confidence,evict"], "--min-score floors ecospec"),
         (["--batch-size", "0"], "--batch-size must be >= 1"),

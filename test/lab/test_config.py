@@ -27,6 +27,7 @@ BENCH_KEYS = [
     "share_buffer", "calibrated_acceptance", "recall_weighted_cost", "min_score", "target",
     "draft", "small",
     "device", "dtype", "profile", "hardware", "check_lossless", "save_predictor", "paired",
+    "round_sync",
 ]  # fmt: skip
 SWEEP_KEYS = [
     "batch_sizes", "policies", "ep_sizes", "profiles", "hardware", "dataset", "num_prompts",
@@ -76,6 +77,7 @@ def test_bench_config_serializes_as_the_old_dict():
         "check_lossless": True,
         "save_predictor": None,
         "paired": False,
+        "round_sync": False,
     }
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.budget = 8

@@ -329,12 +329,11 @@ def test_adaptive_that_cannot_pay_verifies_only_the_roots(setup, greedy):
         assert step.accepted == [0] * step.batch_size
 
 
-@pytest.mark.parametrize("share_buffer", [True, False])
+@pytest.mark.parametrize("share_buffer", [True, False, "rounds"])
 def test_adaptive_selects_fewer_nodes_losslessly(setup, greedy, share_buffer):
     _, engine = setup
-    full = SpecConfig(
-        budget=7, selection=ENGINE_SELECTION.replace(policy="ecospec", share_buffer=share_buffer)
-    )
+    buffer = dict(share_buffer=bool(share_buffer), round_sync=share_buffer == "rounds")
+    full = SpecConfig(budget=7, selection=ENGINE_SELECTION.replace(policy="ecospec", **buffer))
     # A cheap step start: nodes must be worth about as much as the bonus token per cost.
     spec = dataclasses.replace(
         full, selection=full.selection.replace(policy="adaptive", step_cost=2.0)

@@ -4,6 +4,7 @@
 // (csrc/selection_launch.h), with the shared-memory limit and a round_sync grid's co-resident
 // blocks as arguments, so that the tests also run the global-memory fallbacks and blocks of
 // several requests.
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -36,7 +37,8 @@ extern "C" int64_t emu_select(const sgl_ecospec::SelectBuffers* io,
                             ep ? options->total_weight : 0.0};
   const SelectLaunch launch =
       plan_select_call(*shape, *options, placement, shared_limit, max_blocks);
-  std::vector<unsigned char> scratch(launch.scratch_bytes() + 16, 0x5A);
+  std::vector<unsigned char> scratch(launch.scratch_bytes() + 16, 0x5A);  // garbage, but
+  std::fill_n(scratch.begin() + launch.union_offset(), launch.union_bytes, 0);  // the union
   const SelectArgs args = select_args(*io, scratch.data(), *shape, *options, placement, launch);
   try {
     emu::launch(select_kernel, static_cast<unsigned>(launch.blocks), kSelectThreads,

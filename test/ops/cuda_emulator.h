@@ -292,5 +292,10 @@ inline int atomicAdd(int* address, int value) {  // fibers never run at the same
   *address = old + value;
   return old;
 }
+inline unsigned long long atomicOr(unsigned long long* address, unsigned long long value) {
+  const unsigned long long old = *address;
+  *address = old | value;
+  return old;
+}
 inline int max(int a, int b) { return a > b ? a : b; }
 inline int min(int a, int b) { return a < b ? a : b; }

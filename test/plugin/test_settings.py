@@ -183,9 +183,23 @@ def test_settings_hold_their_checked_selection_options():
         EcoSpecSettings(selection=settings.selection)
 
 
+def test_settings_round_sync():
+    rounds = EcoSpecSettings.from_env({"SGLANG_ECOSPEC_ROUND_SYNC": "on"})
+    assert rounds.selection.round_sync and rounds.selection.share_buffer
+    with pytest.raises(EcoSpecSettingsError, match="round_sync=True needs share_buffer=True"):
+        EcoSpecSettings.from_env(
+            {"SGLANG_ECOSPEC_ROUND_SYNC": "on", "SGLANG_ECOSPEC_SHARE_BUFFER": "off"}
+        )
+
+
 def test_settings_min_score():
     assert EcoSpecSettings().selection_fields() == dict(
-        policy="ecospec", share_buffer=True, total_weight=None, min_score=SERVED_MIN_SCORE, eps=0.1
+        policy="ecospec",
+        share_buffer=True,
+        round_sync=False,
+        total_weight=None,
+        min_score=SERVED_MIN_SCORE,
+        eps=0.1,
     )
     assert EcoSpecSettings(policy="confidence").min_score == 0.0  # SGLang's selection
     assert EcoSpecSettings.from_env({"SGLANG_ECOSPEC_MIN_SCORE": "0"}).min_score == 0.0

@@ -89,6 +89,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="EcoSpec's P / (cost + eps) (adaptive: the cost model's)",
     )
     arguments.add_share_buffer_argument(gen, "one expert buffer for the whole batch")
+    gen.add_argument(
+        "--round-sync",
+        action="store_true",
+        help="with the shared buffer: the batch's requests pick their k-th candidates at once, "
+        "against the buffer as it stood before (the GPU kernel runs such rounds in parallel), "
+        "instead of each seeing the picks before its own",
+    )
     arguments.add_recall_weighted_argument(gen, default=True)
     gen.add_argument(
         "--calibrated-acceptance",
@@ -163,6 +170,7 @@ def speculative_run(
         selection = sweep_plan.adaptive_fields(*at, budget, cfg.steps, root_union, testbed)
         exchange = sweep_plan.expert_exchange(*at, root_union, testbed)
     tree = {"topk": cfg.topk, "num_steps": cfg.steps, "share_buffer": cfg.share_buffer}
+    tree["round_sync"] = cfg.round_sync
     spec = SpecConfig.from_fields(
         **tree,
         budget=budget,

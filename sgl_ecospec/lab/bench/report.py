@@ -92,7 +92,8 @@ def preamble(report: dict) -> str:
             f"batch {cfg['batch_size']}, {cfg['max_new_tokens']} new tokens",
             f"tree       topk {cfg['topk']}, {cfg['steps']} steps ({cfg['candidates']} "
             f"candidates), predictor {cfg['predictor']}, eps {cfg['eps']:g}, shared buffer "
-            f"{'on' if cfg['share_buffer'] else 'off'}, selection by "
+            f"{'on' if cfg['share_buffer'] else 'off'}"
+            f"{' (round_sync)' if cfg.get('round_sync') else ''}, selection by "
             f"{'calibrated' if cfg.get('calibrated_acceptance') else 'draft'} probabilities, "
             f"recall-weighted cost {'on' if cfg.get('recall_weighted_cost') else 'off'}, "
             f"score floor {cfg.get('min_score', 0.0):g} (ecospec, adaptive)",
