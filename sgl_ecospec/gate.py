@@ -1,38 +1,41 @@
-"""The utility gate: per batch-size bucket, speculate only where it beats plain decoding.
+"""The utility gate: per batch-size bucket, the speculation level that decodes fastest.
 
-Speculation pays when the tokens a speculative step yields per request, divided by its time,
-exceed plain decoding's one token per (shorter) step. Its utility in a bucket is
+A level is a number of draft steps per decode step: 0 is plain decoding (no draft, no verify
+tree), and each other level a speculative step of that many draft steps (the server's
+configured tree, or a narrower one such as a single drafted token). A level pays when the
+tokens its step yields per request, divided by its time, exceed plain decoding's one token
+per (shorter) step. Its utility in a bucket is
 
-    utility = tokens_per_spec_step * plain_step_time / spec_step_time
+    utility = tokens_per_step * plain_step_time / step_time
 
-(Cascade's measure: token gain over verify cost). :class:`UtilityGate` keeps, per bucket, the
-exponential moving averages of the three measured quantities and closes the bucket (plain
-decoding: no draft, no verify tree) while the utility is below ``1 - margin``, opens it again
-above ``1 + margin``. The mode that is not running is re-probed for ``probe_steps`` steps,
-``probe_interval`` steps of the bucket after a decision, then at twice the distance after
-each probe that confirms it (up to ``max_probe_interval``), so a change of traffic or
-acceptance is seen again at a cost that falls while nothing changes. Probes never cost more
-than ``probe_budget`` of a bucket's time: a probe step runs the losing mode, and the further
-the measured utility is from 1 the more it loses, so the distance between probes is at
-least ``probe_steps`` times a probe step's loss (in steps of the running mode) over the
-budget, capped at ``max_probe_interval``. The first step after a
-switch of mode is not measured: it carries the switch (and, re-entering speculation, a draft
-state that the plain steps left stale).
+(Cascade's measure: token gain over verify cost; plain decoding's is 1). :class:`UtilityGate`
+keeps, per bucket and level, the exponential moving averages of the measured step time and
+tokens per request, runs the level of highest utility, and moves to another only when that
+one's utility is higher by more than ``margin`` (hysteresis). The levels not running are
+re-probed, each on its own schedule, for ``probe_steps`` steps, ``probe_interval`` steps of the
+bucket after a decision, then at twice the distance after each probe that confirms it (up to
+``max_probe_interval``), so a change of traffic or acceptance is seen again at a cost that
+falls while nothing changes. Probes never cost more than ``probe_budget`` of a bucket's time:
+a probe step runs a slower level, and the slower it is the more it loses, so the distance
+between probes is at least ``probe_steps`` times a probe step's loss (in steps of the running
+level) over the budget, capped at ``max_probe_interval``. The first step after a switch of
+level is not measured: it carries the switch (and, re-entering speculation, a draft state
+that the plain steps left stale).
 
-The first bucket starts speculating (or in the state ``predicted`` gives it, when a
-cost-model prediction of the utility exists), measures ``min_samples`` steps of its mode and
-then of the other, and decides. A later bucket starts in the state of the nearest bucket
-measured so far (utility changes slowly with the batch size) and is corrected by its own
-probes; without a measured neighbour it starts as the first did.
+The first bucket starts at the top level (or, when a cost-model prediction of the utility
+exists, at plain decoding where ``predicted`` is below 1), measures ``min_samples`` steps of
+it and then of each other level, and decides. A later bucket starts at the level of the
+nearest bucket measured so far (utility changes slowly with the batch size) and is corrected
+by its own probes; without a measured neighbour it starts as the first did.
 
 Acceptance is measured only where the draft state is current: while a bucket decodes plainly
 the server does not run the draft model, so the speculative steps of its probes draft from a
-stale state and would understate it. They refresh the speculative step's time; the tokens
-per step stay those measured while the bucket (or, for a bucket that started closed, its
-neighbour) speculated.
+stale state and would understate it. They refresh the step's time; its tokens per step stay
+those measured while the bucket (or, for a bucket that started plain, its neighbour) ran a
+speculative level.
 
 Pure Python and host-side: the caller feeds it measured step times and accepted-token counts
-(which a server has on the host anyway) and asks it which mode the next step runs.
+(which a server has on the host anyway) and asks it which level the next step runs.
 
 Buckets: batch sizes 1, 2, 3-4, 5-8, ... (powers of two), as the cost model's eps table.
 """
@@ -40,9 +43,9 @@ Buckets: batch sizes 1, 2, 3-4, 5-8, ... (powers of two), as the cost model's ep
 import dataclasses
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-SPECULATE, PLAIN = "speculate", "plain"
+PLAIN = 0  # the level of plain decoding: no draft steps
 
 
 def bucket_of(batch_size: int) -> int:
@@ -58,17 +61,36 @@ def bucket_label(bucket: int) -> str:
     return str(bucket) if low >= bucket else f"{low}-{bucket}"
 
 
+def check_levels(levels: Sequence[int]) -> tuple[int, ...]:
+    """``levels`` as the gate holds them: ascending draft-step counts, plain decoding (0)
+    first, and at least one speculative level; ValueError otherwise."""
+    checked = tuple(levels)
+    if (
+        len(checked) < 2
+        or any(isinstance(v, bool) or not isinstance(v, int) for v in checked)
+        or checked[0] != PLAIN
+        or any(b <= a for a, b in zip(checked, checked[1:], strict=False))
+    ):
+        raise ValueError(
+            "gate levels must be ascending draft-step counts that start with 0 (plain "
+            f"decoding) and hold a speculative one, got {list(levels)}"
+        )
+    return checked
+
+
 @dataclasses.dataclass(frozen=True)
 class GateOptions:
     """How the gate measures and decides (validated here, the one place).
 
     Attributes:
-        probe_interval: steps of a bucket from a decision to the first probe of the mode not
+        probe_interval: steps of a bucket from a decision to the first probe of a level not
             running (>= 1); doubled after each probe that confirms the decision.
         max_probe_interval: the longest distance between two probes (>= probe_interval).
         probe_steps: steps per probe (>= 2: the first step after a switch is not measured).
-        min_samples: measured steps of each mode before a fresh bucket's first decision.
-        margin: hysteresis in [0, 0.5): close below 1 - margin, open above 1 + margin.
+        min_samples: measured steps of each level before a fresh bucket's first decision.
+        margin: hysteresis in [0, 0.5): another level runs once its utility exceeds the
+            running one's by more than this (with two levels: close below 1 - margin, open
+            above 1 + margin).
         probe_budget: the largest share of a settled bucket's time its probes may lose, in
             (0, 1] (module doc); 1 leaves the distances to ``probe_interval``'s doubling.
         smoothing: weight of a new sample in the moving averages, in (0, 1]; the averages
@@ -125,120 +147,187 @@ class _Average:
             self.value, self.count = other.value, self.seed
 
 
+@dataclasses.dataclass(frozen=True)
+class LevelFigures:
+    """One speculative level's measurements in a bucket (NaN until measured).
+
+    Attributes:
+        steps: the level (draft steps per decode step).
+        time: seconds per step.
+        tokens: tokens per request per step (accepted drafts + 1).
+        utility: ``tokens * plain_time / time``.
+    """
+
+    steps: int
+    time: float
+    tokens: float
+    utility: float
+
+
 @dataclasses.dataclass
 class BucketState:
     """One bucket's measurements and decision (host numbers, for logs and metrics).
 
     Attributes:
-        open: the bucket speculates outside probes.
-        utility: the measured utility, NaN until both modes are measured.
-        spec_time, plain_time: seconds per step, NaN until measured.
-        spec_tokens: tokens per request per speculative step (accepted drafts + 1).
+        level: the level the bucket runs outside probes (0: plain decoding).
+        plain_time: seconds per plain step, NaN until measured.
+        speculative: each speculative level's :class:`LevelFigures`, ascending.
         steps: steps this bucket has run; probes counted in ``probes``.
-        switches: decisions that changed ``open``.
+        switches: decisions that changed ``level``.
     """
 
-    open: bool
-    utility: float = math.nan
-    spec_time: float = math.nan
-    plain_time: float = math.nan
-    spec_tokens: float = math.nan
+    level: int
+    plain_time: float
+    speculative: tuple[LevelFigures, ...]
     steps: int = 0
     probes: int = 0
     switches: int = 0
 
+    @property
+    def open(self) -> bool:
+        """Whether the bucket speculates outside probes."""
+        return self.level != PLAIN
+
+    @property
+    def best(self) -> LevelFigures:
+        """The speculative level of highest measured utility (the top one while none is)."""
+        measured = [f for f in self.speculative if f.utility == f.utility]
+        if not measured:
+            return self.speculative[-1]
+        return max(measured, key=lambda f: f.utility)
+
+    @property
+    def utility(self) -> float:
+        """The best speculative level's utility: speculation's tokens per second over plain
+        decoding's (NaN until measured)."""
+        return self.best.utility
+
 
 class _Bucket:
-    def __init__(self, options: GateOptions, open_: bool, inherited: bool):
+    def __init__(self, options: GateOptions, levels: tuple[int, ...], level: int, inherited: bool):
         self.options = options
-        self.open = open_
-        self.spec_time = _Average(options.smoothing, options.min_samples)
-        self.plain_time = _Average(options.smoothing, options.min_samples)
-        self.spec_tokens = _Average(options.smoothing, options.min_samples)
+        self.levels = levels
+        self.level = level
+        self.time = {v: _Average(options.smoothing, options.min_samples) for v in levels}
+        self.tokens = {v: _Average(options.smoothing, options.min_samples) for v in levels[1:]}
         self.steps = self.probes = self.switches = 0
-        # A fresh bucket measures both modes before deciding; an inherited one has a state.
+        # A fresh bucket measures every level before deciding; an inherited one has a state.
         self.settled = inherited
-        self.interval = options.probe_interval
-        self.since_probe = 0
-        self.probe_mode = SPECULATE
+        # Per level not running: the distance to its next probe, and the steps since its last.
+        self.interval = dict.fromkeys(levels, options.probe_interval)
+        self.since_probe = dict.fromkeys(levels, 0)
+        self.probe_level = level
         self.probe_left = 0  # steps of the running probe still to go
 
-    def measured(self) -> bool:
-        counts = (self.spec_time.count, self.plain_time.count, self.spec_tokens.count)
-        return min(counts) > 0
+    def restart_probes(self) -> None:
+        """After a decision: every other level probed ``probe_interval`` steps from now."""
+        self.interval = dict.fromkeys(self.levels, self.options.probe_interval)
+        self.since_probe = dict.fromkeys(self.levels, 0)
 
-    def utility(self) -> float:
-        if not self.measured():
+    def utility(self, level: int) -> float:
+        """``level``'s measured utility (plain decoding's is 1), NaN until measured."""
+        if level == PLAIN:
+            return 1.0
+        counts = (self.time[level].count, self.time[PLAIN].count, self.tokens[level].count)
+        if min(counts) == 0:
             return math.nan
-        return self.spec_tokens.value * self.plain_time.value / self.spec_time.value
+        return self.tokens[level].value * self.time[PLAIN].value / self.time[level].value
 
-    def budget_interval(self) -> int:
-        """The fewest steps between probes that keeps their loss within ``probe_budget``
-        (0 while the utility is unmeasured). A probe step of a closed bucket takes
-        ``spec_time`` for tokens plain decoding makes in ``utility`` of that time; one of an
-        open bucket makes one token in ``plain_time`` that speculation makes in
-        ``1 / utility`` of it; each loss is counted in steps of the running mode."""
-        utility = self.utility()
-        if not (utility > 0):
-            return 0
-        if self.open:
-            loss = max(1.0 - 1.0 / utility, 0.0) * self.plain_time.value / self.spec_time.value
-        else:
-            loss = max(1.0 - utility, 0.0) * self.spec_time.value / self.plain_time.value
-        steps = self.options.probe_steps * loss / self.options.probe_budget
+    def measured(self) -> bool:
+        return any(self.utility(v) == self.utility(v) for v in self.levels[1:])
+
+    def probe_loss(self, level: int) -> float:
+        """What a probe step of ``level`` loses, in steps of the running level: it takes
+        ``level``'s time for tokens the running level makes in ``u_probe / u_running`` of
+        that time (0 while either utility is unmeasured)."""
+        probe, running = self.utility(level), self.utility(self.level)
+        if not (probe > 0 and running > 0):
+            return 0.0
+        ratio = self.time[level].value / self.time[self.level].value
+        return max(1.0 - probe / running, 0.0) * ratio
+
+    def budget_interval(self, level: int) -> int:
+        """The fewest steps between probes of ``level`` that keeps their loss within its
+        share of ``probe_budget`` (shared equally by the levels not running; 0 while
+        unmeasured)."""
+        budget = self.options.probe_budget / (len(self.levels) - 1)
+        steps = self.options.probe_steps * self.probe_loss(level) / budget
         return min(math.ceil(round(steps, 6)), self.options.max_probe_interval)
 
-    def next_mode(self) -> str:
-        usual = SPECULATE if self.open else PLAIN
+    def due_probe(self) -> int | None:
+        """The level not running whose probe is due (the widest first), or None."""
+        for level in reversed(self.levels):
+            if level == self.level:
+                continue
+            if self.since_probe[level] >= max(self.interval[level], self.budget_interval(level)):
+                return level
+        return None
+
+    def next_level(self) -> int:
         if self.probe_left == 0:
             if not self.settled:
                 needed = self.options.min_samples
-                usual_count = (self.spec_time if self.open else self.plain_time).count
-                other_count = (self.plain_time if self.open else self.spec_time).count
-                if usual_count >= needed:
-                    # +1: the first step after the switch is not measured.
-                    self.probe_left = max(needed - other_count, 0) + 1
-            elif self.since_probe >= max(self.interval, self.budget_interval()):
-                self.probe_left = self.options.probe_steps
-                self.interval = min(2 * self.interval, self.options.max_probe_interval)
+                if self.time[self.level].count >= needed:
+                    # Speculative levels first, widest first, plain decoding last: a
+                    # speculative step after plain ones drafts from a stale state.
+                    short = sorted(
+                        (v for v in self.levels if self.time[v].count < needed),
+                        key=lambda v: (v == PLAIN, -v),
+                    )
+                    if short:
+                        self.probe_level = short[0]
+                        # +1: the first step after the switch is not measured.
+                        self.probe_left = needed - self.time[short[0]].count + 1
+            else:
+                target = self.due_probe()
+                if target is not None:
+                    self.probe_level = target
+                    self.probe_left = self.options.probe_steps
+                    self.interval[target] = min(
+                        2 * self.interval[target], self.options.max_probe_interval
+                    )
             if self.probe_left:
-                self.probe_mode = PLAIN if self.open else SPECULATE
                 self.probes += 1
-                self.since_probe = 0
+                self.since_probe[self.probe_level] = 0
         if self.probe_left:
             self.probe_left -= 1
-            return self.probe_mode
-        self.since_probe += 1
-        return usual
+            return self.probe_level
+        for level in self.levels:
+            self.since_probe[level] += 1
+        return self.level
 
 
 class UtilityGate:
-    """Per batch-size bucket: speculate or decode plainly (module doc).
+    """Per batch-size bucket: the speculation level that decodes fastest (module doc).
 
     Args:
         options: :class:`GateOptions`.
-        predicted: optional ``batch_size -> utility`` from the cost model; a bucket's start
-            state before anything is measured (open when >= 1). None: every bucket starts
-            open.
-        on_change: called with ``(bucket, BucketState)`` whenever a decision flips a bucket
-            (logging, metrics).
+        levels: the levels the server can run, checked by :func:`check_levels`; default
+            plain decoding and one speculative level.
+        predicted: optional ``batch_size -> utility`` from the cost model (of the top level);
+            a bucket's start state before anything is measured (the top level when >= 1,
+            plain decoding otherwise). None: every bucket starts at the top level.
+        on_change: called with ``(bucket, BucketState)`` whenever a decision changes a
+            bucket's level (logging, metrics).
 
-    Usage per step: ``mode = gate.mode(batch_size)`` before the step, then
-    ``gate.record(batch_size, mode, seconds, tokens_per_request)`` once it is measured.
+    Usage per step: ``level = gate.level(batch_size)`` before the step, then
+    ``gate.record(batch_size, level, seconds, tokens_per_request)`` once it is measured.
     """
 
     def __init__(
         self,
         options: GateOptions | None = None,
         *,
+        levels: Sequence[int] = (PLAIN, 1),
         predicted: Callable[[int], float] | None = None,
         on_change: Callable[[int, BucketState], None] | None = None,
     ):
         self.options = options or GateOptions()
+        self.levels = check_levels(levels)
         self.predicted = predicted
         self.on_change = on_change
         self._buckets: dict[int, _Bucket] = {}
-        self._last_mode: str | None = None  # of the last recorded step, any bucket
+        self._last_level: int | None = None  # of the last recorded step, any bucket
 
     def _bucket(self, batch_size: int) -> _Bucket:
         key = bucket_of(batch_size)
@@ -246,83 +335,85 @@ class UtilityGate:
             measured = [k for k, b in self._buckets.items() if b.measured()]
             if measured:
                 nearest = self._buckets[min(measured, key=lambda k: (abs(math.log2(k / key)), k))]
-                bucket = self._buckets[key] = _Bucket(self.options, nearest.open, True)
-                bucket.spec_tokens.adopt(nearest.spec_tokens)
+                bucket = _Bucket(self.options, self.levels, nearest.level, True)
+                for level, tokens in bucket.tokens.items():
+                    tokens.adopt(nearest.tokens[level])
             else:
-                start_open = True if self.predicted is None else self.predicted(key) >= 1.0
-                self._buckets[key] = _Bucket(self.options, start_open, False)
+                top = self.levels[-1]
+                if self.predicted is not None and not self.predicted(key) >= 1.0:
+                    top = PLAIN
+                bucket = _Bucket(self.options, self.levels, top, False)
+            self._buckets[key] = bucket
         return self._buckets[key]
 
-    def mode(self, batch_size: int) -> str:
-        """:data:`SPECULATE` or :data:`PLAIN` for the next step of a batch of this size."""
+    def level(self, batch_size: int) -> int:
+        """The level the next step of a batch of this size runs."""
         bucket = self._bucket(batch_size)
         bucket.steps += 1
-        return bucket.next_mode()
+        return bucket.next_level()
+
+    def running_level(self, batch_size: int) -> int:
+        """The level the bucket of this batch size runs outside probes."""
+        return self._bucket(batch_size).level
 
     def is_open(self, batch_size: int) -> bool:
         """Whether the bucket of this batch size speculates outside probes."""
-        return self._bucket(batch_size).open
+        return self.running_level(batch_size) != PLAIN
 
     def closed_everywhere(self) -> bool:
         """Whether every bucket seen so far has decided to decode plainly (False before the
         first decision): then nothing needs a current draft state outside probes."""
         buckets = self._buckets.values()
-        return bool(buckets) and all(b.settled and not b.open for b in buckets)
+        return bool(buckets) and all(b.settled and b.level == PLAIN for b in buckets)
 
-    def record(self, batch_size: int, mode: str, seconds: float, tokens: float | None) -> None:
+    def record(self, batch_size: int, level: int, seconds: float, tokens: float | None) -> None:
         """A measured step: its wall time and its tokens per request (speculative: accepted
         drafts + 1, averaged over the batch; plain: 1; None: the step's time only, for a
-        speculative probe of a closed bucket, whose draft state the plain steps left stale).
-        The first step after a switch of mode is dropped (module doc). Then re-decides the
-        bucket."""
-        if mode not in (SPECULATE, PLAIN):
-            raise ValueError(f"mode must be {SPECULATE!r} or {PLAIN!r}, got {mode!r}")
+        speculative probe of a plainly decoding bucket, whose draft state the plain steps
+        left stale). The first step after a switch of level is dropped (module doc). Then
+        re-decides the bucket."""
+        if level not in self.levels:
+            raise ValueError(f"level must be one of the gate's {list(self.levels)}, got {level!r}")
         if not (math.isfinite(seconds) and seconds > 0):
             return
-        switched = self._last_mode is not None and self._last_mode != mode
-        self._last_mode = mode
+        switched = self._last_level is not None and self._last_level != level
+        self._last_level = level
         if switched:
             return
         bucket = self._bucket(batch_size)
-        if mode == SPECULATE:
-            bucket.spec_time.add(seconds)
-            if tokens is not None:
-                bucket.spec_tokens.add(tokens)
-        else:
-            bucket.plain_time.add(seconds)
+        bucket.time[level].add(seconds)
+        if level != PLAIN and tokens is not None:
+            bucket.tokens[level].add(tokens)
         self._decide(bucket_of(batch_size), bucket)
 
     def _decide(self, key: int, bucket: _Bucket) -> None:
         if not bucket.settled:
-            needed = self.options.min_samples
-            if min(bucket.spec_time.count, bucket.plain_time.count) < needed:
+            if min(t.count for t in bucket.time.values()) < self.options.min_samples:
                 return
             bucket.settled = True
-        elif not bucket.measured():
+        running = bucket.utility(bucket.level)
+        if running != running:  # the running level's tokens unmeasured: nothing to compare
             return
-        utility = bucket.utility()
-        margin = self.options.margin
-        if bucket.open and utility < 1 - margin:
-            bucket.open = False
-        elif not bucket.open and utility > 1 + margin:
-            bucket.open = True
-        else:
+        candidates = [v for v in bucket.levels if bucket.utility(v) == bucket.utility(v)]
+        best = max(candidates, key=bucket.utility)
+        if bucket.utility(best) - running <= self.options.margin:
             return
+        bucket.level = best
         bucket.switches += 1
-        bucket.since_probe = 0
-        bucket.interval = self.options.probe_interval
+        bucket.restart_probes()
         if self.on_change is not None:
             self.on_change(key, self.state(key))
 
     def state(self, bucket: int) -> BucketState:
         """The state of a bucket (a key of :meth:`buckets`)."""
         b = self._buckets[bucket]
+        speculative = tuple(
+            LevelFigures(v, b.time[v].value, b.tokens[v].value, b.utility(v)) for v in b.levels[1:]
+        )
         return BucketState(
-            open=b.open,
-            utility=b.utility(),
-            spec_time=b.spec_time.value,
-            plain_time=b.plain_time.value,
-            spec_tokens=b.spec_tokens.value,
+            level=b.level,
+            plain_time=b.time[PLAIN].value,
+            speculative=speculative,
             steps=b.steps,
             probes=b.probes,
             switches=b.switches,

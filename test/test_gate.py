@@ -7,27 +7,29 @@ import pytest
 
 from sgl_ecospec.gate import (
     PLAIN,
-    SPECULATE,
     GateOptions,
     UtilityGate,
     bucket_label,
     bucket_of,
+    check_levels,
 )
+
+SPECULATE = 1  # the speculative level of a two-level gate (its default levels)
 
 
 def drive(gate, steps, batch_size, spec_time, plain_time, tokens):
     """Runs ``steps`` steps of a simulated server whose speculative steps take ``spec_time``
     and yield ``tokens`` per request and whose plain steps take ``plain_time``; returns the
-    modes run."""
-    modes = []
+    levels run."""
+    levels = []
     for _ in range(steps):
-        mode = gate.mode(batch_size)
-        modes.append(mode)
-        if mode == SPECULATE:
-            gate.record(batch_size, mode, spec_time, tokens)
+        level = gate.level(batch_size)
+        levels.append(level)
+        if level == SPECULATE:
+            gate.record(batch_size, level, spec_time, tokens)
         else:
-            gate.record(batch_size, mode, plain_time, 1.0)
-    return modes
+            gate.record(batch_size, level, plain_time, 1.0)
+    return levels
 
 
 def test_buckets_are_powers_of_two():
@@ -41,28 +43,28 @@ def test_closes_where_speculation_loses_and_stays_closed_between_probes():
     options = GateOptions(probe_interval=50, max_probe_interval=50, probe_steps=3, min_samples=4)
     gate = UtilityGate(options)
     # Speculation: 1.5 tokens per step at twice plain decoding's time -> utility 0.75.
-    modes = drive(gate, 400, 1, spec_time=0.2, plain_time=0.1, tokens=1.5)
-    assert modes[:4] == [SPECULATE] * 4  # measures speculation first (starts open)
-    assert modes[4:9] == [PLAIN] * 5  # then plain decoding (+1: the switch step)
+    levels = drive(gate, 400, 1, spec_time=0.2, plain_time=0.1, tokens=1.5)
+    assert levels[:4] == [SPECULATE] * 4  # measures speculation first (starts open)
+    assert levels[4:9] == [PLAIN] * 5  # then plain decoding (+1: the switch step)
     state = gate.state(1)
     assert not state.open and state.switches == 1
     assert state.utility == pytest.approx(0.75)
     # After the decision only probes speculate: probe_steps every probe_interval steps.
-    late = modes[100:]
+    late = levels[100:]
     assert late.count(SPECULATE) <= math.ceil(len(late) / options.probe_interval) * 3
     assert late.count(SPECULATE) >= 3
-    assert state.plain_time == pytest.approx(0.1) and state.spec_time == pytest.approx(0.2)
+    assert state.plain_time == pytest.approx(0.1) and state.best.time == pytest.approx(0.2)
 
 
 def test_stays_open_where_speculation_pays_and_probes_plain_decoding():
     options = GateOptions(probe_interval=40, max_probe_interval=40, probe_steps=2, min_samples=3)
     gate = UtilityGate(options)
-    modes = drive(gate, 300, 4, spec_time=0.15, plain_time=0.1, tokens=2.4)  # utility 1.6
+    levels = drive(gate, 300, 4, spec_time=0.15, plain_time=0.1, tokens=2.4)  # utility 1.6
     state = gate.state(4)
     assert state.open and state.switches == 0
     assert state.utility == pytest.approx(1.6)
-    assert modes[-100:].count(PLAIN) >= 2  # re-probed
-    assert modes[-100:].count(SPECULATE) >= 90
+    assert levels[-100:].count(PLAIN) >= 2  # re-probed
+    assert levels[-100:].count(SPECULATE) >= 90
 
 
 def test_reopens_when_acceptance_rises_and_keeps_buckets_apart():
@@ -71,7 +73,7 @@ def test_reopens_when_acceptance_rises_and_keeps_buckets_apart():
     drive(gate, 100, 1, spec_time=0.2, plain_time=0.1, tokens=1.2)
     assert not gate.state(1).open
     # Another bucket starts in its neighbour's state, and its own probes correct it.
-    assert gate.mode(16) == PLAIN
+    assert gate.level(16) == PLAIN
     drive(gate, 200, 16, spec_time=0.12, plain_time=0.1, tokens=2.0)
     assert gate.state(16).open and not gate.state(1).open
     # Acceptance in bucket 1 rises: the probes see it and the gate opens again.
@@ -85,35 +87,35 @@ def test_probes_back_off_while_the_decision_holds():
         probe_interval=10, max_probe_interval=80, probe_steps=3, min_samples=2, probe_budget=1.0
     )
     gate = UtilityGate(options)
-    modes = drive(gate, 1000, 1, spec_time=0.3, plain_time=0.1, tokens=1.5)
-    starts = [i for i in range(1, len(modes)) if modes[i] == SPECULATE != modes[i - 1]]
+    levels = drive(gate, 1000, 1, spec_time=0.3, plain_time=0.1, tokens=1.5)
+    starts = [i for i in range(1, len(levels)) if levels[i] == SPECULATE != levels[i - 1]]
     gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     # 10, 20, 40, 80, 80, ... plain steps between probes (plus the probe's own 3 steps).
     assert gaps[:4] == [23, 43, 83, 83]
     assert gate.state(1).switches == 1
 
 
-def test_probes_of_a_losing_mode_stay_within_the_budget():
+def test_probes_of_a_losing_level_stay_within_the_budget():
     options = GateOptions(
         probe_interval=10, max_probe_interval=1000, probe_steps=3, min_samples=2, probe_budget=0.01
     )
     gate = UtilityGate(options)
     # Utility 0.5 at twice plain decoding's time: each probe step loses (1 - 0.5) * 2 = 1
     # plain step, a probe 3; at 1% the probes are at least 300 steps apart.
-    modes = drive(gate, 2000, 1, spec_time=0.2, plain_time=0.1, tokens=1.0)
+    levels = drive(gate, 2000, 1, spec_time=0.2, plain_time=0.1, tokens=1.0)
     assert gate.state(1).switches == 1 and not gate.state(1).open
-    starts = [i for i in range(1, len(modes)) if modes[i] == SPECULATE != modes[i - 1]]
+    starts = [i for i in range(1, len(levels)) if levels[i] == SPECULATE != levels[i - 1]]
     gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     assert gaps and min(gaps) >= 300
-    late = modes[starts[0] :]
+    late = levels[starts[0] :]
     lost = late.count(SPECULATE) * (1 - 0.5) * 2  # plain steps lost to the probes
     assert lost / len(late) <= 0.01 + 3 / len(late)  # the last probe may end the window
-    # Where the modes almost tie a probe loses little, and probes come far more often:
+    # Where the levels almost tie a probe loses little, and probes come far more often:
     # 3 * (1 - 0.95) * 2 / 0.01 = 30 steps apart.
     near = UtilityGate(options)
-    modes = drive(near, 400, 1, spec_time=0.2, plain_time=0.1, tokens=1.9)
+    levels = drive(near, 400, 1, spec_time=0.2, plain_time=0.1, tokens=1.9)
     assert not near.state(1).open and near.state(1).utility == pytest.approx(0.95)
-    starts = [i for i in range(1, len(modes)) if modes[i] == SPECULATE != modes[i - 1]]
+    starts = [i for i in range(1, len(levels)) if levels[i] == SPECULATE != levels[i - 1]]
     assert starts[1] - starts[0] == 30 + 3
 
 
@@ -131,10 +133,10 @@ def test_closed_everywhere_once_every_bucket_seen_decodes_plainly():
     assert gate.is_open(8) and not gate.closed_everywhere()
 
 
-def test_a_fresh_bucket_without_measured_neighbours_measures_both_modes():
+def test_a_fresh_bucket_without_measured_neighbours_measures_both_levels():
     gate = UtilityGate(GateOptions(min_samples=2))
-    assert [gate.mode(8) for _ in range(2)] == [SPECULATE, SPECULATE]
-    assert gate.mode(2) == SPECULATE  # nothing measured yet: starts fresh as well
+    assert [gate.level(8) for _ in range(2)] == [SPECULATE, SPECULATE]
+    assert gate.level(2) == SPECULATE  # nothing measured yet: starts fresh as well
     assert not gate._buckets[2].settled
 
 
@@ -153,14 +155,14 @@ def test_first_step_after_a_switch_is_not_measured():
     # The switch is the gate's, not a bucket's: a step of another bucket counts too.
     gate.record(8, SPECULATE, 5.0, 2.0)  # after a plain step: dropped
     gate.record(8, SPECULATE, 0.3, 2.0)
-    assert gate.state(8).spec_time == pytest.approx(0.3)
+    assert gate.state(8).best.time == pytest.approx(0.3)
 
 
 def test_a_slow_first_step_does_not_linger():
     gate = UtilityGate(GateOptions(min_samples=3, smoothing=0.2))
     for seconds in (1.0, 0.1, 0.1):  # the first speculative step pays a lazy initialisation
         gate.record(1, SPECULATE, seconds, 2.0)
-    assert gate.state(1).spec_time == pytest.approx(0.1)
+    assert gate.state(1).best.time == pytest.approx(0.1)
 
 
 def test_probes_of_a_closed_bucket_refresh_time_not_acceptance():
@@ -169,18 +171,18 @@ def test_probes_of_a_closed_bucket_refresh_time_not_acceptance():
     drive(gate, 30, 1, spec_time=0.3, plain_time=0.1, tokens=1.5)
     assert not gate.is_open(1)
     for _ in range(60):  # the probes draft from a stale state: tokens not measured
-        mode = gate.mode(1)
-        tokens = None if mode == SPECULATE and not gate.is_open(1) else 1.0
-        gate.record(1, mode, 0.2 if mode == SPECULATE else 0.1, tokens)
+        level = gate.level(1)
+        tokens = None if level == SPECULATE and not gate.is_open(1) else 1.0
+        gate.record(1, level, 0.2 if level == SPECULATE else 0.1, tokens)
     state = gate.state(1)
-    assert state.spec_tokens == pytest.approx(1.5) and state.spec_time < 0.3
+    assert state.best.tokens == pytest.approx(1.5) and state.best.time < 0.3
     # A bucket that starts closed takes its neighbour's acceptance and can decide.
-    assert gate.mode(2) == PLAIN and gate.state(2).spec_tokens == pytest.approx(1.5)
+    assert gate.level(2) == PLAIN and gate.state(2).best.tokens == pytest.approx(1.5)
 
 
 def test_prediction_sets_the_start_state_until_measured():
     gate = UtilityGate(GateOptions(min_samples=2), predicted=lambda b: 0.5 if b <= 2 else 1.5)
-    assert gate.mode(1) == PLAIN and gate.mode(8) == SPECULATE
+    assert gate.level(1) == PLAIN and gate.level(8) == SPECULATE
     assert not gate.state(1).open and gate.state(8).open
 
 
@@ -194,14 +196,14 @@ def test_on_change_reports_each_flip():
     assert len(seen) == 1 and seen[0][0] == 1 and not seen[0][1].open
 
 
-def test_bad_samples_are_ignored_and_bad_modes_refused():
+def test_bad_samples_are_ignored_and_bad_levels_refused():
     gate = UtilityGate()
-    assert gate.mode(1) == SPECULATE
+    assert gate.level(1) == SPECULATE
     gate.record(1, SPECULATE, float("nan"), 2.0)
     gate.record(1, SPECULATE, 0.0, 2.0)
-    assert math.isnan(gate.state(1).spec_time)
-    with pytest.raises(ValueError, match="mode"):
-        gate.record(1, "draft", 0.1, 1.0)
+    assert math.isnan(gate.state(1).best.time)
+    with pytest.raises(ValueError, match="level must be one of"):
+        gate.record(1, 3, 0.1, 1.0)
 
 
 @pytest.mark.parametrize(
@@ -219,3 +221,70 @@ def test_bad_samples_are_ignored_and_bad_modes_refused():
 def test_options_are_validated(kwargs, match):
     with pytest.raises(ValueError, match=match):
         GateOptions(**kwargs)
+
+
+def drive_levels(gate, steps, batch_size, figures):
+    """Like :func:`drive` for any levels: ``figures`` maps a level to its (seconds, tokens)."""
+    levels = []
+    for _ in range(steps):
+        level = gate.level(batch_size)
+        levels.append(level)
+        gate.record(batch_size, level, *figures[level])
+    return levels
+
+
+def test_three_levels_run_the_one_of_highest_utility():
+    options = GateOptions(probe_interval=30, max_probe_interval=30, probe_steps=3, min_samples=3)
+    gate = UtilityGate(options, levels=(PLAIN, 1, 3))
+    # The full tree: 1.8 tokens in 3 plain steps' time (utility 0.6); one drafted token: 1.3
+    # tokens in 1.1 plain steps' time (utility 1.18).
+    figures = {PLAIN: (0.1, 1.0), 1: (0.11, 1.3), 3: (0.3, 1.8)}
+    levels = drive_levels(gate, 300, 16, figures)
+    # Starts at the top level, then measures the narrower one, plain decoding last (+1 each:
+    # the switch step).
+    assert levels[:11] == [3] * 3 + [1] * 4 + [PLAIN] * 4
+    state = gate.state(16)
+    assert state.level == 1 and state.open and state.switches == 1
+    assert [f.steps for f in state.speculative] == [1, 3]
+    assert state.best.steps == 1 and state.utility == pytest.approx(1.3 / 1.1)
+    assert state.speculative[1].utility == pytest.approx(0.6)
+    late = levels[100:]
+    assert late.count(1) >= 0.8 * len(late)
+    assert late.count(PLAIN) >= 3 and late.count(3) >= 3  # both re-probed, in turn
+
+
+def test_a_level_change_moves_between_speculative_levels():
+    options = GateOptions(
+        probe_interval=10, max_probe_interval=20, probe_steps=3, min_samples=2, probe_budget=1.0
+    )
+    gate = UtilityGate(options, levels=(PLAIN, 1, 3))
+    drive_levels(gate, 200, 1, {PLAIN: (0.1, 1.0), 1: (0.11, 1.3), 3: (0.3, 1.8)})
+    assert gate.running_level(1) == 1
+    # Acceptance rises: the full tree now yields 4 tokens (utility 1.33 against 1.18).
+    drive_levels(gate, 200, 1, {PLAIN: (0.1, 1.0), 1: (0.11, 1.3), 3: (0.3, 4.0)})
+    assert gate.running_level(1) == 3 and gate.state(1).switches == 2
+    # Speculation stops paying at every level: plain decoding.
+    drive_levels(gate, 300, 1, {PLAIN: (0.1, 1.0), 1: (0.2, 1.3), 3: (0.3, 1.5)})
+    assert gate.running_level(1) == PLAIN and not gate.is_open(1)
+
+
+def test_probes_of_a_far_slower_level_come_more_rarely():
+    options = GateOptions(probe_interval=10, max_probe_interval=1000, probe_steps=3, min_samples=2)
+    gate = UtilityGate(options, levels=(PLAIN, 1, 3))
+    # Running level 1 (utility 1.25); plain loses 0.2 of a level-1 step per probe step, the
+    # full tree (utility 0.5 at 3 plain steps) 1.6 level-1 steps.
+    figures = {PLAIN: (0.1, 1.0), 1: (0.12, 1.5), 3: (0.3, 1.5)}
+    levels = drive_levels(gate, 3000, 1, figures)
+    assert gate.running_level(1) == 1
+    late = levels[200:]
+    probe_steps = {v: sum(1 for i in range(1, len(late)) if late[i] == v) for v in (PLAIN, 3)}
+    assert probe_steps[3] < probe_steps[PLAIN]
+    lost = probe_steps[PLAIN] * 0.2 + probe_steps[3] * 1.6  # in level-1 steps
+    assert lost / len(late) <= 0.01 + 2 * 3 * 1.6 / len(late)  # a probe may straddle the end
+
+
+@pytest.mark.parametrize("levels", [(PLAIN,), (1, 3), (PLAIN, 3, 1), (PLAIN, 1, 1), (PLAIN, True)])
+def test_levels_are_validated(levels):
+    with pytest.raises(ValueError, match="gate levels"):
+        UtilityGate(levels=levels)
+    assert check_levels([PLAIN, 2, 5]) == (PLAIN, 2, 5)

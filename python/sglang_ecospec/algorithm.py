@@ -232,7 +232,10 @@ def _make_worker_class():
                 )
                 return
             self.ecospec_gate = gate.install(
-                self, self.ecospec_settings.gate_options(), tp_agreement.selection_group()
+                self,
+                self.ecospec_settings.gate_options(),
+                tp_agreement.selection_group(),
+                narrow=self.ecospec_settings.gate_narrow,
             )
             hooks.activate([metrics.gate_slot.bind(self.ecospec_gate)])
 
@@ -276,9 +279,15 @@ def _make_worker_class():
                 if self.ecospec is not None:  # the token before the next root, for context
                     self.ecospec.track_roots(verify_input, output, slots)
                 return output
+            verify_input = batch.spec_info
             if self.ecospec is None:
                 return super().verify(batch, *args, **kwargs)
-            verify_input = batch.spec_info
+            if self.speculative_num_draft_tokens != self.ecospec.selector.num_draft_tokens:
+                # The gate's narrow level: SGLang's own chain of one drafted token, not selected
+                # by EcoSpec (organize_hook passed it through), so nothing to measure or learn.
+                output = super().verify(batch, *args, **kwargs)
+                self.ecospec.track_roots(verify_input, output, slots)
+                return output
             self.ecospec.before_verify()
             output = super().verify(batch, *args, **kwargs)
             self.ecospec.after_verify(verify_input, output, slots)  # output.accept_index: learnt

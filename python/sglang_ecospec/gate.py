@@ -1,15 +1,20 @@
-"""ECOSPEC's utility gate in the server: per batch-size bucket, plain decoding where
-speculation does not pay (setting ``gate``, on by default).
+"""ECOSPEC's utility gate in the server: per batch-size bucket, the speculation level that
+decodes fastest, plain decoding where speculation does not pay (setting ``gate``, on by
+default).
 
 The decision is :class:`sgl_ecospec.gate.UtilityGate`'s (measured tokens per request per
-step and step times, per bucket, with periodic re-probing). The switch is SGLang's own:
-EAGLE's V2 worker runs with ``speculative_num_steps == 0`` as plain decoding (no draft tree:
-a one-node verify of the bonus token, which samples the next token from the target's logits,
-through the verify graph captured for one draft token), and its adaptive-speculation
+step and step times, per bucket and level, with periodic re-probing). The switch is SGLang's
+own: EAGLE's V2 worker runs with ``speculative_num_steps == 0`` as plain decoding (no draft
+tree: a one-node verify of the bonus token, which samples the next token from the target's
+logits, through the verify graph captured for one draft token), and its adaptive-speculation
 controller (``AdaptiveController``) holds a runtime state (attention backends, CUDA graphs)
-per step count and switches between them before each decode step. :class:`GatePolicy` is the
-controller's policy (SGLang's ``AdaptiveSpecPolicy`` protocol) with two step counts, 0 and
-the configured ``--speculative-num-steps``; :func:`install` builds the controller on the
+per step count and switches between them before each decode step. SGLang builds the state of
+``s`` steps with ``s + 1`` draft tokens, so the narrow level (setting ``gate_narrow``, on by
+default) is one draft step verifying the draft's most likely token (SGLang's own selection:
+with one slot per request there is no set to choose), where a wide tree's verify costs more
+than it yields but one drafted token still pays. :class:`GatePolicy` is the controller's
+policy (SGLang's ``AdaptiveSpecPolicy`` protocol) with the step counts 0, 1 (narrow) and the
+configured ``--speculative-num-steps``; :func:`install` builds the controller on the
 worker. While a bucket decodes plainly the draft model does not run at all: the worker sets
 SGLang's ``SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND`` (unless the operator set it), so the draft
 extend after the one-node verify is skipped too. Re-entering speculation, the requests draft
@@ -27,9 +32,9 @@ request from ``num_correct_drafts_per_req`` that SGLang hands to the controller
 (``on_verify_complete``). Steps and results pair in order (a FIFO), as the overlap scheduler
 processes results in launch order.
 
-Ranks: every rank of the TP group must run the same mode, or the collectives of the target's
+Ranks: every rank of the TP group must run the same level, or the collectives of the target's
 forward would mix a one-token verify with a tree verify. With more than one rank, rank 0's
-mode is broadcast over the group's CPU (gloo) group before each step (one 8-byte broadcast).
+level is broadcast over the group's CPU (gloo) group before each step (one 8-byte broadcast).
 
 Logged: each bucket's change of state, with its measurements. Exported (``--enable-metrics``):
 ``sglang:ecospec_gate_open`` and ``sglang:ecospec_gate_utility`` per bucket (label
@@ -45,7 +50,6 @@ import torch
 
 from sgl_ecospec.gate import (
     PLAIN,
-    SPECULATE,
     BucketState,
     GateOptions,
     UtilityGate,
@@ -144,44 +148,60 @@ class GateMetrics:
 
 def describe(bucket: int, state: BucketState) -> str:
     """One log line's account of a bucket's decision."""
+    decision = f"speculate ({_steps(state.level)})" if state.open else "decode plainly"
+    levels = ", ".join(
+        f"{_steps(f.steps)} {f.tokens:.2f} tokens/request/step at {f.time * 1e3:.1f} ms "
+        f"(utility {f.utility:.2f})"
+        for f in state.speculative
+    )
     return (
-        f"EcoSpec gate: batch sizes {bucket_label(bucket)} "
-        f"{'speculate' if state.open else 'decode plainly'}: speculation "
-        f"{state.spec_tokens:.2f} tokens/request/step at {state.spec_time * 1e3:.1f} ms, plain "
-        f"decoding {state.plain_time * 1e3:.1f} ms/step (utility {state.utility:.2f})"
+        f"EcoSpec gate: batch sizes {bucket_label(bucket)} {decision}: speculation "
+        f"{levels}; plain decoding {state.plain_time * 1e3:.1f} ms/step"
     )
 
 
+def _steps(count: int) -> str:
+    return f"{count} draft step{'s' if count != 1 else ''}"
+
+
+def gate_levels(num_steps: int, narrow: bool) -> list[int]:
+    """The step counts the gate chooses among: plain decoding, the narrow level when
+    ``narrow`` and the configured tree is wider, and the configured ``num_steps``."""
+    if num_steps < 1:
+        raise ValueError(f"the gate needs --speculative-num-steps >= 1, got {num_steps}")
+    return [PLAIN, 1, num_steps] if narrow and num_steps > 1 else [PLAIN, num_steps]
+
+
 class GatePolicy:
-    """SGLang's ``AdaptiveSpecPolicy`` over :class:`UtilityGate`: step counts 0 (plain
-    decoding) and ``num_steps``.
+    """SGLang's ``AdaptiveSpecPolicy`` over :class:`UtilityGate`: the step counts of
+    :func:`gate_levels` (0: plain decoding).
 
     Args:
         num_steps: the configured ``--speculative-num-steps`` (> 0).
         options: the gate's :class:`GateOptions`.
         device: the worker's device (step timing).
         group: SGLang's ``GroupCoordinator`` of the TP ranks (more than one), or None.
+        narrow: also the narrow level, one draft step (setting ``gate_narrow``).
     """
 
-    def __init__(self, num_steps: int, options: GateOptions, device, group=None):
-        if num_steps < 1:
-            raise ValueError(f"the gate needs --speculative-num-steps >= 1, got {num_steps}")
+    def __init__(self, num_steps: int, options: GateOptions, device, group=None, narrow=True):
+        self.levels = gate_levels(num_steps, narrow)
         self.num_steps = num_steps
-        self.gate = UtilityGate(options, on_change=self._changed)
+        self.gate = UtilityGate(options, levels=self.levels, on_change=self._changed)
         self.timer = StepTimer(device)
         self.group = group
         self.metrics: GateMetrics | None = None
-        # (batch size, mode, timing, stale draft state) of each step awaiting its results;
+        # (batch size, level, timing, stale draft state) of each step awaiting its results;
         # bounded, so steps whose results never come (none are known) cannot pile up.
         self._pending: collections.deque = collections.deque(maxlen=64)
-        self._mode = SPECULATE
+        self._level = num_steps
         self._stale = False
         self._draft_prefill = True  # the last answer of draft_prefill_needed, logged on change
 
     # SGLang's AdaptiveSpecPolicy protocol.
     @property
     def candidate_steps(self) -> list[int]:
-        return [0, self.num_steps]
+        return list(self.levels)
 
     def set_cuda_graph_bs(self, cuda_graph_bs) -> None:
         """Both states serve every batch size: nothing to prune."""
@@ -190,25 +210,25 @@ class GatePolicy:
         return None
 
     def get_steps_for_batch(self, batch_size: int) -> int:
-        """Called by SGLang before each decode step: this step's mode."""
+        """Called by SGLang before each decode step: this step's level (draft steps)."""
         size = max(batch_size, 1)
-        mode = self.gate.mode(size)
+        level = self.gate.level(size)
         if self.group is not None:
-            mode = self._rank0_mode(mode)
-        self._mode = mode
+            level = self._rank0_int(level)
+        self._level = level
         # A speculative probe of a closed bucket drafts from a stale draft state.
-        self._stale = mode == SPECULATE and not self.gate.is_open(size)
-        return self.num_steps if mode == SPECULATE else 0
+        self._stale = level != PLAIN and not self.gate.is_open(size)
+        return level
 
     def on_verify_complete(self, num_correct_drafts_per_req, batch_size: int):
         """Called with each decode step's results on the host: measures the step."""
         if not self._pending:
             return None
-        size, mode, timing, stale = self._pending.popleft()
+        size, level, timing, stale = self._pending.popleft()
         if num_correct_drafts_per_req:
             tokens = 1.0 + sum(num_correct_drafts_per_req) / len(num_correct_drafts_per_req)
             seconds = self.timer.seconds(timing)
-            self.gate.record(size, mode, seconds, None if stale else tokens)
+            self.gate.record(size, level, seconds, None if stale else tokens)
         return None
 
     # The worker's side.
@@ -218,7 +238,7 @@ class GatePolicy:
     def step_finished(self, batch_size: int, started) -> None:
         if batch_size > 0:
             timing = self.timer.stop(started)
-            self._pending.append((batch_size, self._mode, timing, self._stale))
+            self._pending.append((batch_size, self._level, timing, self._stale))
 
     def export(self, collector) -> None:
         """Sets the gauges of every bucket seen (with ``--enable-metrics``, on SGLang's decode
@@ -246,13 +266,13 @@ class GatePolicy:
             )
         return needed
 
-    def _rank0_mode(self, mode: str) -> str:
-        return SPECULATE if self._rank0_flag(mode == SPECULATE) else PLAIN
-
     def _rank0_flag(self, value: bool) -> bool:
+        return bool(self._rank0_int(int(value)))
+
+    def _rank0_int(self, value: int) -> int:
         flag = torch.tensor([value], dtype=torch.int64)
         torch.distributed.broadcast(flag, src=self.group.ranks[0], group=self.group.cpu_group)
-        return bool(flag.item())
+        return int(flag.item())
 
     def _changed(self, bucket: int, state: BucketState) -> None:
         logger.info(describe(bucket, state))
@@ -293,20 +313,21 @@ def skip_draft_prefill(worker, policy: GatePolicy) -> None:
     draft_worker._draft_extend_for_prefill = gated_draft_prefill
 
 
-def install(worker, options: GateOptions, group=None) -> GatePolicy:
+def install(worker, options: GateOptions, group=None, narrow: bool = True) -> GatePolicy:
     """Gives ``worker`` (an ``EAGLEWorkerV2``, before SGLang's ``init_cuda_graphs``) an
-    adaptive controller driven by :class:`GatePolicy`; its runtime states (the configured
-    steps and plain decoding) are built when SGLang initialises the CUDA graphs."""
+    adaptive controller driven by :class:`GatePolicy`; its runtime states (one per level of
+    :func:`gate_levels`) are built when SGLang initialises the CUDA graphs."""
     from sglang.srt.speculative.adaptive_runtime_state import AdaptiveController
 
     if os.environ.get(SKIP_DRAFT_EXTEND_ENV) is None:
         os.environ[SKIP_DRAFT_EXTEND_ENV] = "1"
-    policy = GatePolicy(worker.speculative_num_steps, options, worker.device, group)
+    policy = GatePolicy(worker.speculative_num_steps, options, worker.device, group, narrow)
     worker.adaptive_controller = AdaptiveController(worker, policy)
     skip_draft_prefill(worker, policy)
     logger.info(
-        "EcoSpec gate on: plain decoding in batch-size buckets where speculation's measured "
-        "utility is below 1 (re-probed every %d steps for %d steps)",
+        "EcoSpec gate on: per batch-size bucket the fastest measured of draft steps %s (0: "
+        "plain decoding; re-probed every %d steps for %d steps)",
+        "/".join(map(str, policy.levels)),
         options.probe_interval,
         options.probe_steps,
     )

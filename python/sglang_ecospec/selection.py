@@ -419,8 +419,11 @@ def select_hook(original, i, topk_p, topk_index, hidden_states, scores, topk):
 @slot.hook(ORGANIZE_TARGET)
 def organize_hook(original, score_list, token_list, parents_list, num_draft_token):
     """AROUND hook on ``organize_draft_results``: ECOSPEC's selection when a selector is
-    active (arguments and results as :meth:`EcoSpecSelector.organize`)."""
+    active and the step verifies the configured width (arguments and results as
+    :meth:`EcoSpecSelector.organize`)."""
     selector = slot.active()
-    if selector is None:
+    if selector is None or num_draft_token != selector.num_draft_tokens:
+        # Another width than the configured one: the utility gate's narrow level, whose one
+        # slot per request takes the draft's most likely token as SGLang's code does.
         return original(score_list, token_list, parents_list, num_draft_token)
     return selector.organize(score_list, token_list, parents_list, num_draft_token)

@@ -149,12 +149,16 @@ class EcoSpecSettings:
         gate: the utility gate (:mod:`sglang_ecospec.gate`): per batch-size bucket, decode
             plainly (no draft model, one-token verify) while speculation's measured tokens
             per second fall below plain decoding's; False: always speculate.
+        gate_narrow: the gate may also run the narrow level, one draft step verifying the
+            draft's most likely token per request, where it decodes faster than both plain
+            decoding and the configured tree (needs ``--speculative-num-steps`` > 1; one more
+            runtime state: attention backends and, on a GPU, CUDA graphs).
         gate_probe_interval, gate_max_probe_interval, gate_probe_steps, gate_min_samples:
             the gate's first and longest re-probing period, the probes' length, and the
-            measured steps of each mode before a fresh bucket's first decision
+            measured steps of each level before a fresh bucket's first decision
             (:class:`sgl_ecospec.gate.GateOptions`).
         gate_probe_budget: the largest share of a bucket's time its probes may lose, in
-            (0, 1]; probes of a mode that loses by far come less often.
+            (0, 1]; probes of a level that loses by far come less often.
         selection: derived, not set: the checked ``SelectionOptions`` of policy, eps,
             share_buffer, total_weight and min_score, which every batch selects with; None
             with eps "auto" (``eps_table.BatchOptions`` builds one per batch-size bucket).
@@ -186,6 +190,7 @@ class EcoSpecSettings:
     verify_moe_kernel: bool = False
     calibrated_acceptance: bool = True
     gate: bool = True
+    gate_narrow: bool = True
     # The gate's defaults are GateOptions' own.
     gate_probe_interval: int = GateOptions.probe_interval
     gate_max_probe_interval: int = GateOptions.max_probe_interval

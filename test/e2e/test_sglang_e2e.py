@@ -16,9 +16,10 @@ predicting experts with a head trained by ``sgl-ecospec train-head``. Asserted:
 4. /server_info names ECOSPEC; the ECOSPEC server runs with --enable-metrics, and its decode
    log line and /metrics carry EcoSpec's statistics with sane values;
 5. with the trained head: lossless, drafts accepted, and its recall well above chance;
-6. with the utility gate (on by default; off in the runs above): lossless, and on this CPU,
-   where speculation is slower than plain decoding, the gate decodes plainly after its first
-   measurements, says so in the log and on /metrics;
+6. with the utility gate (on by default; off in the runs above): lossless, also through its
+   narrow level (one drafted token per request), and on this CPU, where speculation is slower
+   than plain decoding, the gate decodes plainly after its first measurements, says so in the
+   log and on /metrics;
 7. with ``SGLANG_ECOSPEC_CALIBRATE=on``: the server calibrates the cost model on this CPU at
    startup (a tiny grid), logs the fit and prices with it, lossless;
 8. the README's CPU server command, with exactly its arguments (a free port for its port),
@@ -273,7 +274,10 @@ def test_utility_gate_decodes_plainly_where_speculation_loses(models, prompts, p
     assert "EcoSpec gate on" in text
     assert re.search(r"EcoSpec gate: batch sizes 1 decode plainly: .*utility 0\.\d\d", text)
     assert "every batch-size bucket decodes plainly: prefills skip the draft model" in text
-    assert ("steps 3 -> 0" in text) and ("steps 0 -> 3" in text)  # probes re-enter speculation
+    # A fresh bucket measures the configured tree, the narrow level (one draft step, two
+    # draft tokens) and plain decoding; probes re-enter speculation.
+    assert "steps 3 -> 1, draft_tokens 6 -> 2" in text and "steps 1 -> 0" in text
+    assert "steps 0 -> 3" in text
     # The exported state is the last one logged: closed, unless the scrape came after a
     # probe that measured speculation paying (plain steps timed slow on a loaded machine).
     states = re.findall(r"EcoSpec gate: batch sizes 1 (speculate|decode plainly):", text)

@@ -119,7 +119,8 @@ def test_runtime_is_built_and_reserved_before_sglang_sizes_the_kv_pool(monkeypat
     creates the ECOSPEC worker, then sizes the target KV pool from the free memory: by then
     the runtime's tensors exist and its per-step memory is reserved; the reservation is freed
     once the pools are allocated, before any graph is captured. Then the worker counts, on
-    the device, a verify forward in which some MoE layer's routing was not captured."""
+    the device, a verify forward in which some MoE layer's routing was not captured, and
+    leaves the utility gate's narrow verifies uncounted."""
     import logging
     from types import MethodType
 
@@ -207,6 +208,13 @@ def test_runtime_is_built_and_reserved_before_sglang_sizes_the_kv_pool(monkeypat
         # An idle verify (no tokens) is not a verify step.
         captured_layers[:] = []
         worker.verify(SimpleNamespace(spec_info=SimpleNamespace(draft_token=torch.empty(0))))
+        # Nor is one of the gate's narrow level (2 draft tokens: SGLang's own chain).
+        configured = worker.speculative_num_draft_tokens
+        assert configured == worker.ecospec.selector.num_draft_tokens != 2
+        worker.speculative_num_draft_tokens = 2
+        captured_layers[:] = [0, 1]
+        assert worker.verify(batch) == "verified"
+        worker.speculative_num_draft_tokens = configured
         summary = worker.ecospec.decode_log_window.read()
         assert summary["verify_steps"] == 3 and summary["capture_missed_steps"] == 1
     finally:

@@ -80,7 +80,7 @@ def test_set_roots_marks_padding_invalid():
     assert not selector.root_valid.any()
 
 
-def test_organize_hook_defers_to_sglang_when_inactive():
+def test_organize_hook_defers_to_sglang_when_inactive_or_at_another_width():
     calls = []
 
     def original(*args):
@@ -89,14 +89,16 @@ def test_organize_hook_defers_to_sglang_when_inactive():
 
     selection.slot.activate(None)
     assert selection.organize_hook(original, [1], [2], [3], 4) == "sglang"
-    selector = make_selector()
+    selector = make_selector(ndt=4)
     selection.slot.activate(selector)
     try:
         tree = sglang_draft_tree(1, 3, 2, seed=1)
         assert selection.organize_hook(original, *tree, 4)[1].shape == (1, 3)
+        # Another width (the utility gate's narrow level, 2 draft tokens): SGLang's own.
+        assert selection.organize_hook(original, *tree, 2) == "sglang"
     finally:
         selection.slot.activate(None)
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 def test_auto_eps_is_looked_up_by_batch_size(monkeypatch):
