@@ -2,27 +2,28 @@
 decodes fastest, plain decoding where speculation does not pay (setting ``gate``, on by
 default).
 
-The decision is :class:`sgl_ecospec.gate.UtilityGate`'s (measured tokens per request per
-step and step times, per bucket and level, with periodic re-probing). The switch is SGLang's
-own: EAGLE's V2 worker runs with ``speculative_num_steps == 0`` as plain decoding (no draft
-tree: a one-node verify of the bonus token, which samples the next token from the target's
-logits, through the verify graph captured for one draft token), and its adaptive-speculation
-controller (``AdaptiveController``) holds a runtime state (attention backends, CUDA graphs)
-per step count and switches between them before each decode step. SGLang builds the state of
-``s`` steps with ``s + 1`` draft tokens, so the narrow level (setting ``gate_narrow``, on by
-default) is one draft step verifying the draft's most likely token (SGLang's own selection:
-with one slot per request there is no set to choose), where a wide tree's verify costs more
-than it yields but one drafted token still pays. :class:`GatePolicy` is the controller's
-policy (SGLang's ``AdaptiveSpecPolicy`` protocol) with the step counts 0, 1 (narrow) and the
-configured ``--speculative-num-steps``; :func:`install` builds the controller on the
-worker. While a bucket decodes plainly the draft model does not run at all: the worker sets
-SGLang's ``SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND`` (unless the operator set it), so the draft
-extend after the one-node verify is skipped too. Re-entering speculation, the requests draft
-from a draft state that misses the plainly decoded positions (lossless: verification decides),
-so a closed bucket's probes refresh only the speculative step's time, not its acceptance
-(:mod:`sgl_ecospec.gate`). For the same reason, while every bucket seen decodes plainly
-(:meth:`UtilityGate.closed_everywhere`), a prefill skips the draft model's pass over the
-prompt (:func:`skip_draft_prefill`): a new request's first token then costs what it costs
+The decision is :class:`sgl_ecospec.gate.UtilityGate`'s (measured tokens per request per step
+and step times, per bucket and level, with periodic re-probing). The switch is SGLang's own:
+EAGLE's V2 worker runs with ``speculative_num_steps == 0`` as plain decoding (no draft tree: a
+one-node verify of the bonus token, which samples the next token from the target's logits,
+through the verify graph captured for one draft token), and its adaptive-speculation controller
+(``AdaptiveController``) holds a runtime state (attention backends, CUDA graphs) per step count
+and switches between them before each decode step. SGLang builds the state of ``s`` steps with
+``s + 1`` draft tokens, so the narrow level (setting ``gate_narrow``, off by default: on the
+bandwidth testbed it measured no gain and its measurements cost a short run 5%,
+docs/results/log.md) is one draft step verifying the draft's most likely token (SGLang's own
+selection: with one slot per request there is no set to choose), for where a wide tree's verify
+costs more than it yields but one drafted token still pays. :class:`GatePolicy` is the
+controller's policy (SGLang's ``AdaptiveSpecPolicy`` protocol) with the step counts 0, 1
+(narrow) and the configured ``--speculative-num-steps``; :func:`install` builds the controller
+on the worker. While a bucket decodes plainly the draft model does not run at all: the worker
+sets SGLang's ``SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND`` (unless the operator set it), so the
+draft extend after the one-node verify is skipped too. Re-entering speculation, the requests
+draft from a draft state that misses the plainly decoded positions (lossless: verification
+decides), so a closed bucket's probes refresh only the speculative step's time, not its
+acceptance (:mod:`sgl_ecospec.gate`). For the same reason, while every bucket seen decodes
+plainly (:meth:`UtilityGate.closed_everywhere`), a prefill skips the draft model's pass over
+the prompt (:func:`skip_draft_prefill`): a new request's first token then costs what it costs
 the plain server.
 
 Timing: each decode step's time is measured around the worker's ``forward_batch_generation``
@@ -184,7 +185,7 @@ class GatePolicy:
         narrow: also the narrow level, one draft step (setting ``gate_narrow``).
     """
 
-    def __init__(self, num_steps: int, options: GateOptions, device, group=None, narrow=True):
+    def __init__(self, num_steps: int, options: GateOptions, device, group=None, narrow=False):
         self.levels = gate_levels(num_steps, narrow)
         self.num_steps = num_steps
         self.gate = UtilityGate(options, levels=self.levels, on_change=self._changed)
@@ -313,7 +314,7 @@ def skip_draft_prefill(worker, policy: GatePolicy) -> None:
     draft_worker._draft_extend_for_prefill = gated_draft_prefill
 
 
-def install(worker, options: GateOptions, group=None, narrow: bool = True) -> GatePolicy:
+def install(worker, options: GateOptions, group=None, narrow: bool = False) -> GatePolicy:
     """Gives ``worker`` (an ``EAGLEWorkerV2``, before SGLang's ``init_cuda_graphs``) an
     adaptive controller driven by :class:`GatePolicy`; its runtime states (one per level of
     :func:`gate_levels`) are built when SGLang initialises the CUDA graphs."""

@@ -16,10 +16,10 @@ predicting experts with a head trained by ``sgl-ecospec train-head``. Asserted:
 4. /server_info names ECOSPEC; the ECOSPEC server runs with --enable-metrics, and its decode
    log line and /metrics carry EcoSpec's statistics with sane values;
 5. with the trained head: lossless, drafts accepted, and its recall well above chance;
-6. with the utility gate (on by default; off in the runs above): lossless, also through its
-   narrow level (one drafted token per request), and on this CPU, where speculation is slower
-   than plain decoding, the gate decodes plainly after its first measurements, says so in the
-   log and on /metrics;
+6. with the utility gate (on by default; off in the runs above) and its narrow level (one
+   drafted token per request; ``gate_narrow``, off by default): lossless, and on this CPU,
+   where speculation is slower than plain decoding, the gate decodes plainly after its first
+   measurements, says so in the log and on /metrics;
 7. with ``SGLANG_ECOSPEC_CALIBRATE=on``: the server calibrates the cost model on this CPU at
    startup (a tiny grid), logs the fit and prices with it, lossless;
 8. the README's CPU server command, with exactly its arguments (a free port for its port),
@@ -268,6 +268,7 @@ def test_utility_gate_decodes_plainly_where_speculation_loses(models, prompts, p
         "SGLANG_ECOSPEC_GATE_MIN_SAMPLES": "3",
         "SGLANG_ECOSPEC_GATE_PROBE_INTERVAL": "16",
         "SGLANG_ECOSPEC_GATE_PROBE_BUDGET": "1",
+        "SGLANG_ECOSPEC_GATE_NARROW": "1",
     }
     outputs, _, metrics_text, text = serve(args, prompts, logs / "gate.log", env=env)
     assert_lossless(outputs, plain_outputs)

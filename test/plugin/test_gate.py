@@ -47,9 +47,10 @@ def run_steps(policy, steps, batch_size, spec_seconds, plain_seconds, accepted):
 
 def test_policy_speaks_sglangs_adaptive_protocol():
     policy = plugin_gate.GatePolicy(3, OPTIONS, "cpu")
-    assert policy.candidate_steps == [0, 1, 3]  # plain, the narrow level, the configured tree
-    assert plugin_gate.GatePolicy(3, OPTIONS, "cpu", narrow=False).candidate_steps == [0, 3]
-    assert plugin_gate.GatePolicy(1, OPTIONS, "cpu").candidate_steps == [0, 1]
+    assert policy.candidate_steps == [0, 3]  # plain decoding, the configured tree
+    narrow = plugin_gate.GatePolicy(3, OPTIONS, "cpu", narrow=True)
+    assert narrow.candidate_steps == [0, 1, 3]  # and the narrow level
+    assert plugin_gate.GatePolicy(1, OPTIONS, "cpu", narrow=True).candidate_steps == [0, 1]
     assert policy.cuda_graph_bs_for_step(0) is None
     policy.set_cuda_graph_bs([1, 2, 4])
     assert policy.get_steps_for_batch(2) == 3
@@ -58,7 +59,7 @@ def test_policy_speaks_sglangs_adaptive_protocol():
 
 
 def test_policy_turns_speculation_off_where_it_loses(caplog):
-    policy = plugin_gate.GatePolicy(3, OPTIONS, "cpu", narrow=False)
+    policy = plugin_gate.GatePolicy(3, OPTIONS, "cpu")
     with caplog.at_level(logging.INFO, logger=plugin_gate.__name__):
         # 0.5 accepted drafts per step at 3x the time of a plain step: utility 0.5.
         chosen = run_steps(policy, 120, 1, 0.3, 0.1, accepted=0.5)
@@ -71,7 +72,7 @@ def test_policy_turns_speculation_off_where_it_loses(caplog):
 
 
 def test_policy_runs_the_narrow_level_where_only_it_pays(caplog):
-    policy = plugin_gate.GatePolicy(3, OPTIONS, "cpu")
+    policy = plugin_gate.GatePolicy(3, OPTIONS, "cpu", narrow=True)
     # The tree: 0.8 accepted drafts at 3x a plain step (utility 0.6); one drafted token: 0.4
     # at 1.1x (utility 1.27).
     figures = {0: (0.1, 0), 1: (0.11, 0.4), 3: (0.3, 0.8)}
@@ -88,7 +89,7 @@ def test_policy_runs_the_narrow_level_where_only_it_pays(caplog):
 
 
 def test_policy_keeps_speculating_where_it_pays():
-    policy = plugin_gate.GatePolicy(3, OPTIONS, "cpu", narrow=False)
+    policy = plugin_gate.GatePolicy(3, OPTIONS, "cpu")
     chosen = run_steps(policy, 120, 8, 0.12, 0.1, accepted=1.5)  # utility 2.08
     assert policy.gate.state(8).open
     assert chosen[-60:].count(3) >= 50
@@ -189,8 +190,8 @@ def test_install_sets_the_controller_and_skips_the_draft_extend(monkeypatch):
     worker, _ = fake_worker()
     policy = plugin_gate.install(worker, OPTIONS)
     assert worker.adaptive_controller.params is policy
-    assert worker.adaptive_controller.candidate_steps == [0, 1, 3]
-    assert plugin_gate.install(worker, OPTIONS, narrow=False).levels == [0, 3]
+    assert worker.adaptive_controller.candidate_steps == [0, 3]
+    assert plugin_gate.install(worker, OPTIONS, narrow=True).levels == [0, 1, 3]
     assert os.environ[plugin_gate.SKIP_DRAFT_EXTEND_ENV] == "1"
     # An operator's own choice stands.
     monkeypatch.setenv(plugin_gate.SKIP_DRAFT_EXTEND_ENV, "0")
@@ -200,15 +201,15 @@ def test_install_sets_the_controller_and_skips_the_draft_extend(monkeypatch):
 
 def test_settings():
     settings = EcoSpecSettings.from_env({})
-    assert settings.gate and settings.gate_narrow and settings.gate_options() == GateOptions()
+    assert settings.gate and not settings.gate_narrow and settings.gate_options() == GateOptions()
     env = {
         "SGLANG_ECOSPEC_GATE": "0",
         "SGLANG_ECOSPEC_GATE_PROBE_INTERVAL": "32",
-        "SGLANG_ECOSPEC_GATE_NARROW": "0",
+        "SGLANG_ECOSPEC_GATE_NARROW": "1",
     }
     settings = EcoSpecSettings.from_env(env)
     assert not settings.gate and settings.gate_options().probe_interval == 32
-    assert not settings.gate_narrow
+    assert settings.gate_narrow
     with pytest.raises(EcoSpecSettingsError, match="gate_probe_steps must be an int >= 2"):
         EcoSpecSettings.from_env({"SGLANG_ECOSPEC_GATE_PROBE_STEPS": "1"})
 
