@@ -213,14 +213,13 @@ class _Bucket:
         self.steps = self.probes = self.switches = 0
         # A fresh bucket measures every level before deciding; an inherited one has a state.
         self.settled = inherited
-        # Per level not running: the distance to its next probe, and the steps since its last.
-        self.interval = dict.fromkeys(levels, options.probe_interval)
-        self.since_probe = dict.fromkeys(levels, 0)
         self.probe_level = level
         self.probe_left = 0  # steps of the running probe still to go
+        self.restart_probes()
 
     def restart_probes(self) -> None:
-        """After a decision: every other level probed ``probe_interval`` steps from now."""
+        """At the start and after a decision: every other level probed ``probe_interval``
+        steps from now (per level: the distance to its next probe, the steps since its last)."""
         self.interval = dict.fromkeys(self.levels, self.options.probe_interval)
         self.since_probe = dict.fromkeys(self.levels, 0)
 

@@ -282,9 +282,8 @@ def _make_worker_class():
             verify_input = batch.spec_info
             if self.ecospec is None:
                 return super().verify(batch, *args, **kwargs)
-            if self.speculative_num_draft_tokens != self.ecospec.selector.num_draft_tokens:
-                # The gate's narrow level: SGLang's own chain of one drafted token, not selected
-                # by EcoSpec (organize_hook passed it through), so nothing to measure or learn.
+            if not self.ecospec.selector.selects(self.speculative_num_draft_tokens):
+                # The gate's narrow level: SGLang's own chain, nothing to measure or learn.
                 output = super().verify(batch, *args, **kwargs)
                 self.ecospec.track_roots(verify_input, output, slots)
                 return output

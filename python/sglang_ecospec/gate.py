@@ -187,7 +187,6 @@ class GatePolicy:
 
     def __init__(self, num_steps: int, options: GateOptions, device, group=None, narrow=False):
         self.levels = gate_levels(num_steps, narrow)
-        self.num_steps = num_steps
         self.gate = UtilityGate(options, levels=self.levels, on_change=self._changed)
         self.timer = StepTimer(device)
         self.group = group
@@ -195,7 +194,7 @@ class GatePolicy:
         # (batch size, level, timing, stale draft state) of each step awaiting its results;
         # bounded, so steps whose results never come (none are known) cannot pile up.
         self._pending: collections.deque = collections.deque(maxlen=64)
-        self._level = num_steps
+        self._level = self.levels[-1]
         self._stale = False
         self._draft_prefill = True  # the last answer of draft_prefill_needed, logged on change
 

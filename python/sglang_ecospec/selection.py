@@ -314,6 +314,12 @@ class EcoSpecSelector:
             )
         return root, states
 
+    def selects(self, num_draft_tokens: int) -> bool:
+        """Whether a step verifying ``num_draft_tokens`` rows per request is EcoSpec's to
+        select: only the configured width; another is the utility gate's narrow level, whose
+        one slot per request takes the draft's most likely token as SGLang's code does."""
+        return num_draft_tokens == self.num_draft_tokens
+
     def organize(
         self,
         score_list: list[torch.Tensor],
@@ -422,8 +428,6 @@ def organize_hook(original, score_list, token_list, parents_list, num_draft_toke
     active and the step verifies the configured width (arguments and results as
     :meth:`EcoSpecSelector.organize`)."""
     selector = slot.active()
-    if selector is None or num_draft_token != selector.num_draft_tokens:
-        # Another width than the configured one: the utility gate's narrow level, whose one
-        # slot per request takes the draft's most likely token as SGLang's code does.
+    if selector is None or not selector.selects(num_draft_token):
         return original(score_list, token_list, parents_list, num_draft_token)
     return selector.organize(score_list, token_list, parents_list, num_draft_token)
