@@ -23,10 +23,13 @@ level is not measured: it carries the switch (and, re-entering speculation, a dr
 that the plain steps left stale).
 
 The first bucket starts at the top level (or, when a cost-model prediction of the utility
-exists, at plain decoding where ``predicted`` is below 1), measures ``min_samples`` steps of
-it and then of each other level, and decides. A later bucket starts at the level of the
-nearest bucket measured so far (utility changes slowly with the batch size) and is corrected
-by its own probes; without a measured neighbour it starts as the first did.
+exists, at plain decoding where ``predicted`` is below 1), measures it and then each other
+level for enough steps that ``min_samples`` requests' tokens are counted at the bucket's
+smallest batch size, and at least two (:func:`fresh_steps`: 4 steps at batch size 1, 2 from
+batch size 2 on, where each step counts several requests), and decides. A later bucket
+starts at the level of the nearest bucket measured so far (utility changes slowly with the
+batch size) and is corrected by its own probes; without a measured neighbour it starts as the
+first did.
 
 Acceptance is measured only where the draft state is current: while a bucket decodes plainly
 the server does not run the draft model, so the speculative steps of its probes draft from a
@@ -87,7 +90,8 @@ class GateOptions:
             running (>= 1); doubled after each probe that confirms the decision.
         max_probe_interval: the longest distance between two probes (>= probe_interval).
         probe_steps: steps per probe (>= 2: the first step after a switch is not measured).
-        min_samples: measured steps of each level before a fresh bucket's first decision.
+        min_samples: requests' tokens measured of each level before a fresh bucket's first
+            decision (:func:`fresh_steps` turns them into steps).
         margin: hysteresis in [0, 0.5): another level runs once its utility exceeds the
             running one's by more than this (with two levels: close below 1 - margin, open
             above 1 + margin).
@@ -122,6 +126,16 @@ class GateOptions:
             raise ValueError(f"gate probe_budget must lie in (0, 1], got {self.probe_budget}")
         if not 0 < self.smoothing <= 1:
             raise ValueError(f"gate smoothing must lie in (0, 1], got {self.smoothing}")
+
+
+def fresh_steps(min_samples: int, bucket: int) -> int:
+    """Steps of each level a fresh bucket measures before its first decision: enough that
+    ``min_samples`` requests are counted at the bucket's smallest batch size (a step of a
+    batch of b measures b requests' accepted tokens), and at least two (or ``min_samples``,
+    if smaller), so that one step's outlier is not a decision. A batch of 16 thus decides
+    after two speculative steps, not four, in a server's first seconds."""
+    smallest = bucket // 2 + 1
+    return max(min(2, min_samples), math.ceil(min_samples / smallest))
 
 
 class _Average:
@@ -204,10 +218,13 @@ class BucketState:
 
 
 class _Bucket:
-    def __init__(self, options: GateOptions, levels: tuple[int, ...], level: int, inherited: bool):
+    def __init__(
+        self, options: GateOptions, levels: tuple[int, ...], level: int, inherited: bool, key: int
+    ):
         self.options = options
         self.levels = levels
         self.level = level
+        self.needed = fresh_steps(options.min_samples, key)
         self.time = {v: _Average(options.smoothing, options.min_samples) for v in levels}
         self.tokens = {v: _Average(options.smoothing, options.min_samples) for v in levels[1:]}
         self.steps = self.probes = self.switches = 0
@@ -265,7 +282,7 @@ class _Bucket:
     def next_level(self) -> int:
         if self.probe_left == 0:
             if not self.settled:
-                needed = self.options.min_samples
+                needed = self.needed
                 if self.time[self.level].count >= needed:
                     # Speculative levels first, widest first, plain decoding last: a
                     # speculative step after plain ones drafts from a stale state.
@@ -334,14 +351,14 @@ class UtilityGate:
             measured = [k for k, b in self._buckets.items() if b.measured()]
             if measured:
                 nearest = self._buckets[min(measured, key=lambda k: (abs(math.log2(k / key)), k))]
-                bucket = _Bucket(self.options, self.levels, nearest.level, True)
+                bucket = _Bucket(self.options, self.levels, nearest.level, True, key)
                 for level, tokens in bucket.tokens.items():
                     tokens.adopt(nearest.tokens[level])
             else:
                 top = self.levels[-1]
                 if self.predicted is not None and not self.predicted(key) >= 1.0:
                     top = PLAIN
-                bucket = _Bucket(self.options, self.levels, top, False)
+                bucket = _Bucket(self.options, self.levels, top, False, key)
             self._buckets[key] = bucket
         return self._buckets[key]
 
@@ -387,7 +404,7 @@ class UtilityGate:
 
     def _decide(self, key: int, bucket: _Bucket) -> None:
         if not bucket.settled:
-            if min(t.count for t in bucket.time.values()) < self.options.min_samples:
+            if min(t.count for t in bucket.time.values()) < bucket.needed:
                 return
             bucket.settled = True
         running = bucket.utility(bucket.level)

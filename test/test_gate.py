@@ -12,6 +12,7 @@ from sgl_ecospec.gate import (
     bucket_label,
     bucket_of,
     check_levels,
+    fresh_steps,
 )
 
 SPECULATE = 1  # the speculative level of a two-level gate (its default levels)
@@ -54,6 +55,20 @@ def test_closes_where_speculation_loses_and_stays_closed_between_probes():
     assert late.count(SPECULATE) <= math.ceil(len(late) / options.probe_interval) * 3
     assert late.count(SPECULATE) >= 3
     assert state.plain_time == pytest.approx(0.1) and state.best.time == pytest.approx(0.2)
+
+
+def test_a_fresh_bucket_of_large_batches_decides_after_two_steps_of_each_level():
+    # Each step of a batch of 9-16 counts at least 9 requests' tokens: min_samples=4 requests
+    # need one step, but two are measured so one outlier cannot decide.
+    assert [fresh_steps(4, b) for b in (1, 2, 4, 8, 16, 64)] == [4, 2, 2, 2, 2, 2]
+    assert [fresh_steps(8, b) for b in (1, 2, 4, 8, 16)] == [8, 4, 3, 2, 2]
+    assert fresh_steps(1, 1) == 1 and fresh_steps(1, 16) == 1
+    gate = UtilityGate(GateOptions(probe_interval=50, max_probe_interval=50, min_samples=4))
+    levels = drive(gate, 20, 16, spec_time=1.6, plain_time=0.8, tokens=1.6)
+    assert levels[:2] == [SPECULATE] * 2
+    assert levels[2:] == [PLAIN] * 18  # +1 unmeasured switch step, 2 measured, then decided
+    state = gate.state(16)
+    assert not state.open and state.switches == 1 and state.utility == pytest.approx(0.8)
 
 
 def test_stays_open_where_speculation_pays_and_probes_plain_decoding():
@@ -240,9 +255,9 @@ def test_three_levels_run_the_one_of_highest_utility():
     # tokens in 1.1 plain steps' time (utility 1.18).
     figures = {PLAIN: (0.1, 1.0), 1: (0.11, 1.3), 3: (0.3, 1.8)}
     levels = drive_levels(gate, 300, 16, figures)
-    # Starts at the top level, then measures the narrower one, plain decoding last (+1 each:
-    # the switch step).
-    assert levels[:11] == [3] * 3 + [1] * 4 + [PLAIN] * 4
+    # Starts at the top level, then measures the narrower one, plain decoding last, two steps
+    # each at batch size 16 (+1 each: the switch step).
+    assert levels[:8] == [3] * 2 + [1] * 3 + [PLAIN] * 3
     state = gate.state(16)
     assert state.level == 1 and state.open and state.switches == 1
     assert [f.steps for f in state.speculative] == [1, 3]

@@ -155,7 +155,7 @@ class EcoSpecSettings:
             runtime state: attention backends and, on a GPU, CUDA graphs).
         gate_probe_interval, gate_max_probe_interval, gate_probe_steps, gate_min_samples:
             the gate's first and longest re-probing period, the probes' length, and the
-            measured steps of each level before a fresh bucket's first decision
+            requests' tokens measured of each level before a fresh bucket's first decision
             (:class:`sgl_ecospec.gate.GateOptions`).
         gate_probe_budget: the largest share of a bucket's time its probes may lose, in
             (0, 1]; probes of a level that loses by far come less often.

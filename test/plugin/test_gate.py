@@ -78,9 +78,10 @@ def test_policy_runs_the_narrow_level_where_only_it_pays(caplog):
     figures = {0: (0.1, 0), 1: (0.11, 0.4), 3: (0.3, 0.8)}
     with caplog.at_level(logging.INFO, logger=plugin_gate.__name__):
         chosen = run_levels(policy, 200, 16, figures)
-    # The tree first, then the narrow level and plain decoding (+1 each: the switch step;
-    # results arrive one step late, so each runs one step more before the next).
-    assert chosen[:16] == [3] * 4 + [1] * 6 + [0] * 6
+    # The tree first, then the narrow level and plain decoding, two measured steps each at
+    # batch size 16 (+1 each: the switch step; results arrive one step late, so each runs one
+    # step more before the next).
+    assert chosen[:13] == [3] * 3 + [1] * 5 + [0] * 5
     state = policy.gate.state(16)
     assert state.level == 1 and state.utility == pytest.approx(1.4 * 0.1 / 0.11)
     assert chosen[-60:].count(1) >= 44  # the other two probed every 30 steps
