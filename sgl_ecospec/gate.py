@@ -22,6 +22,14 @@ level) over the budget, capped at ``max_probe_interval``. The first step after a
 level is not measured: it carries the switch (and, re-entering speculation, a draft state
 that the plain steps left stale).
 
+A settled bucket moves only to a level it has just measured, and a probe measures its level
+anew (its step time restarts from the probe's samples). Step times grow with the requests'
+contexts: the running level's average follows them, while another level's stays at its last
+probe, so comparing the two would favour the level measured longest ago (on a CPU server at
+batch size 16 such stale figures reopened speculation three steps after it closed, and the
+bucket went on switching). Where another level's last figures beat the running one's by
+more than the margin, its next probe comes ``probe_interval`` steps after its last.
+
 The first bucket starts at the top level (or, when a cost-model prediction of the utility
 exists, at plain decoding where ``predicted`` is below 1), measures it and then each other
 level for enough steps that ``min_samples`` requests' tokens are counted at the bucket's
@@ -146,8 +154,17 @@ class _Average:
         self.smoothing, self.seed = smoothing, seed
         self.value, self.count = math.nan, 0
         self._first: list[float] = []
+        self._renew = False
+
+    def renew(self) -> None:
+        """The next sample starts the average anew (seeded again); until then it keeps its
+        value. A probe's samples thus say what the level costs now, not a blend with what it
+        cost at its last probe, at the requests' shorter contexts."""
+        self._renew = True
 
     def add(self, sample: float) -> None:
+        if self._renew:
+            self.count, self._first, self._renew = 0, [], False
         self.count += 1
         if self.count <= self.seed:
             self._first.append(sample)
@@ -270,12 +287,23 @@ class _Bucket:
         steps = self.options.probe_steps * self.probe_loss(level) / budget
         return min(math.ceil(round(steps, 6)), self.options.max_probe_interval)
 
+    def promising(self, level: int) -> bool:
+        """Whether ``level``'s last measurement beats the running level's current one by more
+        than the margin: the bucket does not move on it (the running level's average follows
+        the requests' growing contexts, the other's stays where it was measured), but probes
+        it again ``probe_interval`` steps after its last probe."""
+        return self.utility(level) - self.utility(self.level) > self.options.margin
+
     def due_probe(self) -> int | None:
         """The level not running whose probe is due (the widest first), or None."""
         for level in reversed(self.levels):
             if level == self.level:
                 continue
-            if self.since_probe[level] >= max(self.interval[level], self.budget_interval(level)):
+            if self.promising(level):
+                distance = self.options.probe_interval
+            else:
+                distance = max(self.interval[level], self.budget_interval(level))
+            if self.since_probe[level] >= distance:
                 return level
         return None
 
@@ -297,6 +325,7 @@ class _Bucket:
             else:
                 target = self.due_probe()
                 if target is not None:
+                    self.time[target].renew()
                     self.probe_level = target
                     self.probe_left = self.options.probe_steps
                     self.interval[target] = min(
@@ -400,17 +429,26 @@ class UtilityGate:
         bucket.time[level].add(seconds)
         if level != PLAIN and tokens is not None:
             bucket.tokens[level].add(tokens)
-        self._decide(bucket_of(batch_size), bucket)
+        self._decide(bucket_of(batch_size), bucket, level)
 
-    def _decide(self, key: int, bucket: _Bucket) -> None:
-        if not bucket.settled:
+    def _decide(self, key: int, bucket: _Bucket, measured: int) -> None:
+        """Re-decides ``bucket`` after a step of level ``measured``. A settled bucket moves
+        only to the level it has just measured (a probe's): another level's figures are as
+        old as its last probe, and :meth:`_Bucket.promising` brings that probe forward."""
+        settling = not bucket.settled
+        if settling:
             if min(t.count for t in bucket.time.values()) < bucket.needed:
                 return
             bucket.settled = True
         running = bucket.utility(bucket.level)
         if running != running:  # the running level's tokens unmeasured: nothing to compare
             return
-        candidates = [v for v in bucket.levels if bucket.utility(v) == bucket.utility(v)]
+        candidates = [
+            v
+            for v in bucket.levels
+            if bucket.utility(v) == bucket.utility(v)
+            and (settling or v in (measured, bucket.level))
+        ]
         best = max(candidates, key=bucket.utility)
         if bucket.utility(best) - running <= self.options.margin:
             return

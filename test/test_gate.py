@@ -71,6 +71,27 @@ def test_a_fresh_bucket_of_large_batches_decides_after_two_steps_of_each_level()
     assert not state.open and state.switches == 1 and state.utility == pytest.approx(0.8)
 
 
+def test_a_settled_bucket_moves_only_to_a_level_it_has_just_measured():
+    # Both levels slow down as the requests' contexts grow (utility 0.9 throughout); the
+    # running plain steps' average follows, speculation's stays where it was measured.
+    options = GateOptions(probe_interval=20, max_probe_interval=80, probe_steps=3, min_samples=2)
+    gate = UtilityGate(options)
+    levels = []
+    for step in range(200):
+        level = gate.level(1)
+        growth = 1.0 + step / 50  # step times double every 50 steps
+        gate.record(1, level, (0.2 if level == SPECULATE else 0.1) * growth, 1.8)
+        levels.append(level)
+        if step == 22:  # before the first probe: the stale figure says speculation pays
+            assert gate.state(1).utility > 1.2 and not gate.is_open(1)
+    assert levels[:2] == [SPECULATE] * 2 and not gate.is_open(1)
+    assert gate.state(1).switches == 1  # closed once, never reopened on stale figures
+    # Each probe measures speculation anew (its time where the contexts are now).
+    probes = [i for i in range(3, 200) if levels[i] == SPECULATE and levels[i - 1] == PLAIN]
+    assert len(probes) >= 3
+    assert gate.state(1).best.time == pytest.approx(0.2 * (1 + probes[-1] / 50), rel=0.05)
+
+
 def test_stays_open_where_speculation_pays_and_probes_plain_decoding():
     options = GateOptions(probe_interval=40, max_probe_interval=40, probe_steps=2, min_samples=3)
     gate = UtilityGate(options)
