@@ -22,13 +22,16 @@ level) over the budget, capped at ``max_probe_interval``. The first step after a
 level is not measured: it carries the switch (and, re-entering speculation, a draft state
 that the plain steps left stale).
 
-A settled bucket moves only to a level it has just measured, and a probe measures its level
-anew (its step time restarts from the probe's samples). Step times grow with the requests'
-contexts: the running level's average follows them, while another level's stays at its last
-probe, so comparing the two would favour the level measured longest ago (on a CPU server at
-batch size 16 such stale figures reopened speculation three steps after it closed, and the
-bucket went on switching). Where another level's last figures beat the running one's by
-more than the margin, its next probe comes ``probe_interval`` steps after its last.
+A settled bucket moves to a speculative level only right after measuring it, and a probe
+measures its level anew (its step time restarts from the probe's samples). Step times grow
+with the requests' contexts: the running level's average follows them, while another level's
+stays at its last probe, so comparing the two favours the level measured longest ago (on a
+CPU server at batch size 16 such stale figures reopened speculation three steps after it
+closed, and the bucket went on switching). Where another speculative level's last figures
+beat the running one's by more than the margin, its next probe comes ``probe_interval``
+steps after its last. Plain decoding needs no such measurement: a bias towards it costs at
+most what speculation would have gained, and a speculative level whose own current figures
+fall below it (its acceptance drops, its steps slow down) closes at once.
 
 The first bucket starts at the top level (or, when a cost-model prediction of the utility
 exists, at plain decoding where ``predicted`` is below 1), measures it and then each other
@@ -288,10 +291,10 @@ class _Bucket:
         return min(math.ceil(round(steps, 6)), self.options.max_probe_interval)
 
     def promising(self, level: int) -> bool:
-        """Whether ``level``'s last measurement beats the running level's current one by more
-        than the margin: the bucket does not move on it (the running level's average follows
-        the requests' growing contexts, the other's stays where it was measured), but probes
-        it again ``probe_interval`` steps after its last probe."""
+        """Whether speculative ``level``'s last measurement beats the running level's current
+        one by more than the margin: the bucket does not move on it (the running level's
+        average follows the requests' growing contexts, the other's stays where it was
+        measured), but probes it again ``probe_interval`` steps after its last probe."""
         return self.utility(level) - self.utility(self.level) > self.options.margin
 
     def due_probe(self) -> int | None:
@@ -352,8 +355,8 @@ class UtilityGate:
         predicted: optional ``batch_size -> utility`` from the cost model (of the top level);
             a bucket's start state before anything is measured (the top level when >= 1,
             plain decoding otherwise). None: every bucket starts at the top level.
-        on_change: called with ``(bucket, BucketState)`` whenever a decision changes a
-            bucket's level (logging, metrics).
+        on_change: called with ``(bucket, BucketState)`` at a bucket's first decision and
+            whenever a decision changes its level (logging, metrics).
 
     Usage per step: ``level = gate.level(batch_size)`` before the step, then
     ``gate.record(batch_size, level, seconds, tokens_per_request)`` once it is measured.
@@ -432,9 +435,11 @@ class UtilityGate:
         self._decide(bucket_of(batch_size), bucket, level)
 
     def _decide(self, key: int, bucket: _Bucket, measured: int) -> None:
-        """Re-decides ``bucket`` after a step of level ``measured``. A settled bucket moves
-        only to the level it has just measured (a probe's): another level's figures are as
-        old as its last probe, and :meth:`_Bucket.promising` brings that probe forward."""
+        """Re-decides ``bucket`` after a step of level ``measured``. A settled bucket moves to
+        a speculative level only when it has just measured it (a probe's step): another
+        level's figures are as old as its last probe, and :meth:`_Bucket.promising` brings
+        that probe forward. Plain decoding is always a candidate (module doc). A bucket's
+        first decision is reported even when it keeps the level it started at."""
         settling = not bucket.settled
         if settling:
             if min(t.count for t in bucket.time.values()) < bucket.needed:
@@ -447,10 +452,12 @@ class UtilityGate:
             v
             for v in bucket.levels
             if bucket.utility(v) == bucket.utility(v)
-            and (settling or v in (measured, bucket.level))
+            and (settling or v in (measured, bucket.level, PLAIN))
         ]
         best = max(candidates, key=bucket.utility)
         if bucket.utility(best) - running <= self.options.margin:
+            if settling and self.on_change is not None:
+                self.on_change(key, self.state(key))
             return
         bucket.level = best
         bucket.switches += 1

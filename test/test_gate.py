@@ -92,6 +92,19 @@ def test_a_settled_bucket_moves_only_to_a_level_it_has_just_measured():
     assert gate.state(1).best.time == pytest.approx(0.2 * (1 + probes[-1] / 50), rel=0.05)
 
 
+def test_an_open_bucket_closes_as_soon_as_its_own_figures_fall_below_plain():
+    options = GateOptions(probe_interval=500, max_probe_interval=500, min_samples=2)
+    seen = []
+    gate = UtilityGate(options, on_change=lambda b, s: seen.append(s.open))
+    drive(gate, 20, 8, spec_time=0.15, plain_time=0.1, tokens=2.0)  # utility 1.33
+    assert gate.is_open(8) and seen == [True]  # the first decision, reported though kept
+    # The acceptance falls to 1.2 tokens (utility 0.8): closed without waiting for a probe of
+    # plain decoding, 500 steps away.
+    levels = drive(gate, 20, 8, spec_time=0.15, plain_time=0.1, tokens=1.2)
+    assert not gate.is_open(8) and seen == [True, False]
+    assert levels.index(PLAIN) < 10
+
+
 def test_stays_open_where_speculation_pays_and_probes_plain_decoding():
     options = GateOptions(probe_interval=40, max_probe_interval=40, probe_steps=2, min_samples=3)
     gate = UtilityGate(options)

@@ -95,7 +95,23 @@ def test_log_summary_weights_lines_by_steps():
     assert summary["verify_steps"] == 6
     assert summary["experts_per_layer_step"] == pytest.approx((40 + 8) / 6)
     assert summary["predictor_recall"] == pytest.approx((2.0 + 1.6) / 6)
+    assert summary["spec_accept_length"] is None  # no line reports one
     assert ecospec_log_summary("no statistics")["experts_per_layer_step"] is None
+
+
+def test_log_summary_reads_the_speculative_steps_acceptance_length():
+    text = (
+        "[t] EcoSpec: 4 verify steps, unique experts/layer/step 39.23, predictor recall 0.213, "
+        "verify tokens/step 42.5, predict ms/step 2.724, acceptance length 1.706 (forecast "
+        "1.731), slot copies 73 (routed differently 0)\n"
+        "[t] EcoSpec: 2 verify steps, unique experts/layer/step 4.00, predictor recall 0.800, "
+        "verify tokens/step 5.0\n"
+        "[t] EcoSpec: 12 verify steps, unique experts/layer/step 61.10, predictor recall 0.254, "
+        "verify tokens/step 80.0, acceptance length 1.422 (forecast 1.497)\n"
+    )
+    summary = ecospec_log_summary(text)
+    assert summary["verify_steps"] == 18
+    assert summary["spec_accept_length"] == pytest.approx((4 * 1.706 + 12 * 1.422) / 16)
 
 
 METRICS_TEXT = """# HELP sglang:generation_tokens_total Number of generation tokens processed.
@@ -351,6 +367,16 @@ def test_predicted_tpot_prices_each_phase_by_its_steps_and_the_prefills_between_
     assert predicted.predicted_tpot_ms(plain, cfg, perf) == pytest.approx(
         1000 * float(perf.ar_time(4))
     )
+    # An ECOSPEC phase whose gate speculated in a share of its steps: its acceptance length
+    # 1.2 mixes speculative steps of 2.0 (logged) with plain ones of 1, so 20% speculated.
+    mixed = {**phase("ecospec", 4, accept=1.2, experts=20.0), "spec_accept_length": 2.0}
+    assert predicted.speculative_share(mixed) == pytest.approx(0.2)
+    speculative = 3 * 0.01 + 0.1 + 0.001 * 20 + 0.002
+    assert predicted.predicted_tpot_ms(mixed, cfg, perf) == pytest.approx(
+        1000 * (0.2 * speculative + 0.8 * float(perf.ar_time(4))) / 1.2
+    )
+    # EAGLE3 has no gate: every step speculates whatever it logs.
+    assert predicted.speculative_share({**mixed, "algorithm": "eagle3"}) == 1.0
     # Concurrency 2 of 4 prompts: 2 later starts stall 1 other request each, a prefill of 50
     # tokens on every expert (0.1 + 0.128 s) spread over 4 requests' 9 decode intervals.
     stall = (4 - 2) * (2 - 1) / 4 * (0.1 + 0.001 * 128) / 9

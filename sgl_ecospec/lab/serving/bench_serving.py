@@ -367,6 +367,7 @@ def measure(
         "experts_per_layer_step": stats["experts_per_layer_step"],
         "predictor_recall": stats["predictor_recall"],
         "verify_steps_logged": stats["verify_steps"],
+        "spec_accept_length": stats["spec_accept_length"],
         "wall_seconds": time.monotonic() - t0,
         "generated_texts": result.get("generated_texts"),
     }

@@ -26,8 +26,9 @@ LAUNCH_CPU = REPO_ROOT / "scripts" / "launch_cpu.sh"
 # algorithm.py logs one such line per ``log_interval`` verify steps.
 _ECOSPEC_LINE = re.compile(
     r"EcoSpec: (?P<steps>\d+) verify steps, unique experts/layer/step (?P<experts>[\d.]+), "
-    r"predictor recall (?P<recall>[\d.]+)"
+    r"predictor recall (?P<recall>[\d.]+)(?P<rest>[^\n]*)"
 )
+_ACCEPT_FIELD = re.compile(r"acceptance length (?P<accept>[\d.]+)")
 
 
 # One sample of a Prometheus text exposition: name, optional labels, value.
@@ -65,19 +66,27 @@ def launch_command(cpu: bool) -> list[str]:
 def ecospec_log_summary(text: str) -> dict:
     """Totals of the ``EcoSpec:`` log lines in ``text``.
 
-    Returns ``{"verify_steps", "experts_per_layer_step", "predictor_recall"}``: the step
-    count, and the step-weighted means of the lines (None when no line is present).
+    Returns ``{"verify_steps", "experts_per_layer_step", "predictor_recall",
+    "spec_accept_length"}``: the step count, and the step-weighted means of the lines (None
+    when no line is present); the last is the acceptance length of the logged (EcoSpec's
+    speculative) verify steps, over the lines that report one.
     """
     steps, experts, recall = 0, 0.0, 0.0
+    accept_steps, accept = 0, 0.0
     for match in _ECOSPEC_LINE.finditer(text):
         n = int(match["steps"])
         steps += n
         experts += n * float(match["experts"])
         recall += n * float(match["recall"])
+        field = _ACCEPT_FIELD.search(match["rest"])
+        if field is not None:
+            accept_steps += n
+            accept += n * float(field["accept"])
     return {
         "verify_steps": steps,
         "experts_per_layer_step": experts / steps if steps else None,
         "predictor_recall": recall / steps if steps else None,
+        "spec_accept_length": accept / accept_steps if accept_steps else None,
     }
 
 

@@ -8,9 +8,14 @@ A phase at concurrency c keeps ``B = min(c, prompts)`` requests in flight. Its d
 - speculative (eagle3, ecospec-confidence, ecospec): ``num_steps`` draft forwards (SGLang's
   EAGLE worker runs ``num_steps - 1`` in the draft loop and one draft extend after the
   verify), the verify of ``B x num_draft_tokens`` tokens and the accept step, divided by
-  the measured acceptance length (tokens per request per step). A phase whose acceptance
-  length is below ``PLAIN_BELOW`` decoded plainly but for the utility gate's few probe
-  steps (an ECOSPEC server whose gate closed): priced as none, the probes not priced.
+  the measured acceptance length (tokens per request per step).
+- ECOSPEC with its utility gate runs both: a share f of its steps speculates, the rest are
+  plain steps of one token. The phase's acceptance length a mixes the two, a = f x a_s +
+  (1 - f), where a_s is the speculative steps' own (EcoSpec logs it with each line of
+  statistics), so f = (a - 1) / (a_s - 1), and a step costs f x speculative + (1 - f) x
+  plain. Without a_s (a run without those lines): a phase whose acceptance length is below
+  ``PLAIN_BELOW`` decoded plainly but for the gate's few probe steps, priced as none, and any
+  other as speculative throughout.
 
 U, the distinct experts per MoE layer of a speculative step, is the phase's logged
 ``experts_per_layer_step`` where the server logged it (ECOSPEC logs its speculative steps),
@@ -32,35 +37,44 @@ SPECULATIVE = ("eagle3", "ecospec-confidence", "ecospec")
 PLAIN_BELOW = 1.05
 
 
-def predicted_step_seconds(record: dict, cfg: dict, perf: PerformanceModel) -> float:
-    """Seconds of one decode step of the phase ``record`` (module docstring)."""
-    batch = min(record["concurrency"], cfg["num_prompts"])
+def speculative_share(record: dict) -> float:
+    """The share of the phase's decode steps that speculated (module docstring)."""
     accept = record.get("accept_length")
-    speculating = (
-        record["algorithm"] in SPECULATIVE and accept is not None and accept >= PLAIN_BELOW
-    )
-    if not speculating:
-        return float(perf.ar_time(batch))
+    if record["algorithm"] not in SPECULATIVE or accept is None:
+        return 0.0
+    spec_accept = record.get("spec_accept_length")
+    if record["algorithm"] == "ecospec" and spec_accept is not None and spec_accept > 1.0:
+        return min(max((accept - 1.0) / (spec_accept - 1.0), 0.0), 1.0)
+    return 1.0 if accept >= PLAIN_BELOW else 0.0
+
+
+def predicted_step_seconds(record: dict, cfg: dict, perf: PerformanceModel) -> float:
+    """Seconds of one decode step of the phase ``record``, its speculative and plain steps
+    mixed by :func:`speculative_share` (module docstring)."""
+    batch = min(record["concurrency"], cfg["num_prompts"])
+    plain = float(perf.ar_time(batch))
+    share = speculative_share(record)
+    if share == 0.0:
+        return plain
     experts = record.get("experts_per_layer_step")
-    gamma = cfg["num_draft_tokens"]
-    return float(
+    speculative = float(
         cfg["num_steps"] * perf.draft_time(batch)
-        + perf.verify_time(batch, gamma, experts)
+        + perf.verify_time(batch, cfg["num_draft_tokens"], experts)
         + perf.reject_time(batch)
     )
+    return share * speculative + (1.0 - share) * plain
 
 
 def predicted_tpot_ms(record: dict, cfg: dict, perf: PerformanceModel) -> float | None:
     """The phase's predicted mean TPOT in ms (module docstring); None without an acceptance
     length for a speculative phase or a prompt length."""
-    accept = record.get("accept_length") or 1.0
     if record["algorithm"] in SPECULATIVE and record.get("accept_length") is None:
         return None
-    if accept < PLAIN_BELOW:
-        accept = 1.0  # the plain steps' one token each
     prompt_len = record.get("mean_input_len")
     if prompt_len is None:
         return None
+    # Plain steps make one token each (a phase priced as plain: its probes' extra tokens too).
+    accept = (record.get("accept_length") or 1.0) if speculative_share(record) > 0 else 1.0
     prompts, concurrency = cfg["num_prompts"], min(record["concurrency"], cfg["num_prompts"])
     decode = predicted_step_seconds(record, cfg, perf) / max(accept, 1.0)
     stalls_per_request = (prompts - concurrency) * (concurrency - 1) / prompts

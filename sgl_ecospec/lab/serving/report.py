@@ -30,6 +30,7 @@ MEDIAN_KEYS = (
     "accept_length",
     "experts_per_layer_step",
     "predictor_recall",
+    "spec_accept_length",
 )
 
 
@@ -62,7 +63,7 @@ def combine(records: list[dict]) -> dict:
     reads them), out of the combined record."""
     combined = {k: v for k, v in records[0].items() if k != "generated_texts"}
     for key in MEDIAN_KEYS:
-        values = [r[key] for r in records if r[key] is not None]
+        values = [r[key] for r in records if r.get(key) is not None]
         combined[key] = statistics.median(values) if values else None
     combined["completed"] = sum(r["completed"] or 0 for r in records)
     combined["verify_steps_logged"] = sum(r["verify_steps_logged"] for r in records)
