@@ -37,9 +37,9 @@ Ranks: every rank of the TP group must run the same level, or the collectives of
 forward would mix a one-token verify with a tree verify. With more than one rank, rank 0's
 level is broadcast over the group's CPU (gloo) group before each step (one 8-byte broadcast).
 
-Logged: each bucket's first decision and every change of state, with its measurements. Exported (``--enable-metrics``):
-``sglang:ecospec_gate_open`` and ``sglang:ecospec_gate_utility`` per bucket (label
-``batch_sizes``).
+Logged: each bucket's first decision and every change of state, with its measurements.
+Exported (``--enable-metrics``): ``sglang:ecospec_gate_open`` and
+``sglang:ecospec_gate_utility`` per bucket (label ``batch_sizes``).
 """
 
 import collections
