@@ -455,14 +455,12 @@ class UtilityGate:
             and (settling or v in (measured, bucket.level, PLAIN))
         ]
         best = max(candidates, key=bucket.utility)
-        if bucket.utility(best) - running <= self.options.margin:
-            if settling and self.on_change is not None:
-                self.on_change(key, self.state(key))
-            return
-        bucket.level = best
-        bucket.switches += 1
-        bucket.restart_probes()
-        if self.on_change is not None:
+        switch = bucket.utility(best) - running > self.options.margin
+        if switch:
+            bucket.level = best
+            bucket.switches += 1
+            bucket.restart_probes()
+        if (switch or settling) and self.on_change is not None:
             self.on_change(key, self.state(key))
 
     def state(self, bucket: int) -> BucketState:

@@ -74,7 +74,7 @@ def predicted_tpot_ms(record: dict, cfg: dict, perf: PerformanceModel) -> float 
     if prompt_len is None:
         return None
     # Plain steps make one token each (a phase priced as plain: its probes' extra tokens too).
-    accept = (record.get("accept_length") or 1.0) if speculative_share(record) > 0 else 1.0
+    accept = record["accept_length"] if speculative_share(record) > 0 else 1.0
     prompts, concurrency = cfg["num_prompts"], min(record["concurrency"], cfg["num_prompts"])
     decode = predicted_step_seconds(record, cfg, perf) / max(accept, 1.0)
     stalls_per_request = (prompts - concurrency) * (concurrency - 1) / prompts
