@@ -40,7 +40,8 @@ smallest batch size, and at least two (:func:`fresh_steps`: 4 steps at batch siz
 batch size 2 on, where each step counts several requests), and decides. A later bucket
 starts at the level of the nearest bucket measured so far (utility changes slowly with the
 batch size) and is corrected by its own probes; without a measured neighbour it starts as the
-first did.
+first did. A bucket seeded with an earlier server's state (:meth:`UtilityGate.seed`: a
+restarted server's memory) starts settled, as if it had measured that state's figures.
 
 Acceptance is measured only where the draft state is current: while a bucket decodes plainly
 the server does not run the draft model, so the speculative steps of its probes draft from a
@@ -59,7 +60,7 @@ import math
 import statistics
 from collections.abc import Callable, Sequence
 
-PLAIN = 0  # the level of plain decoding: no draft steps
+from sgl_ecospec.gate_state import PLAIN, BucketState, LevelFigures
 
 
 def bucket_of(batch_size: int) -> int:
@@ -178,63 +179,12 @@ class _Average:
     def adopt(self, other: "_Average") -> None:
         """Starts from ``other``'s current value (a neighbouring bucket's), as if seeded."""
         if other.count:
-            self.value, self.count = other.value, self.seed
+            self.start_at(other.value)
 
-
-@dataclasses.dataclass(frozen=True)
-class LevelFigures:
-    """One speculative level's measurements in a bucket (NaN until measured).
-
-    Attributes:
-        steps: the level (draft steps per decode step).
-        time: seconds per step.
-        tokens: tokens per request per step (accepted drafts + 1).
-        utility: ``tokens * plain_time / time``.
-    """
-
-    steps: int
-    time: float
-    tokens: float
-    utility: float
-
-
-@dataclasses.dataclass
-class BucketState:
-    """One bucket's measurements and decision (host numbers, for logs and metrics).
-
-    Attributes:
-        level: the level the bucket runs outside probes (0: plain decoding).
-        plain_time: seconds per plain step, NaN until measured.
-        speculative: each speculative level's :class:`LevelFigures`, ascending.
-        steps: steps this bucket has run; probes counted in ``probes``.
-        switches: decisions that changed ``level``.
-    """
-
-    level: int
-    plain_time: float
-    speculative: tuple[LevelFigures, ...]
-    steps: int = 0
-    probes: int = 0
-    switches: int = 0
-
-    @property
-    def open(self) -> bool:
-        """Whether the bucket speculates outside probes."""
-        return self.level != PLAIN
-
-    @property
-    def best(self) -> LevelFigures:
-        """The speculative level of highest measured utility (the top one while none is)."""
-        measured = [f for f in self.speculative if f.utility == f.utility]
-        if not measured:
-            return self.speculative[-1]
-        return max(measured, key=lambda f: f.utility)
-
-    @property
-    def utility(self) -> float:
-        """The best speculative level's utility: speculation's tokens per second over plain
-        decoding's (NaN until measured)."""
-        return self.best.utility
+    def start_at(self, value: float) -> None:
+        """Starts from ``value`` as if seeded with it (NaN: stays unmeasured)."""
+        if value == value:
+            self.value, self.count = value, self.seed
 
 
 class _Bucket:
@@ -476,7 +426,32 @@ class UtilityGate:
             steps=b.steps,
             probes=b.probes,
             switches=b.switches,
+            settled=b.settled,
         )
+
+    def seed(self, bucket: int, state: BucketState) -> None:
+        """Starts ``bucket`` (a key of :meth:`buckets`, not seen yet) settled at ``state``'s
+        level and figures, as if it had measured them (a restarted server's memory of an
+        earlier one's decisions): its probes come ``probe_interval`` steps after its first.
+
+        Raises:
+            ValueError: ``bucket`` is no bucket key, was seen already, or ``state``'s levels
+                are not this gate's.
+        """
+        if bucket < 1 or bucket != bucket_of(bucket) or bucket in self._buckets:
+            raise ValueError(f"cannot seed bucket {bucket}: no bucket key, or seen already")
+        steps = tuple(f.steps for f in state.speculative)
+        if state.level not in self.levels or steps != self.levels[1:]:
+            raise ValueError(
+                f"a state of levels {[PLAIN, *steps]} at level {state.level} cannot seed a gate "
+                f"of levels {list(self.levels)}"
+            )
+        b = _Bucket(self.options, self.levels, state.level, True, bucket)
+        b.time[PLAIN].start_at(state.plain_time)
+        for figures in state.speculative:
+            b.time[figures.steps].start_at(figures.time)
+            b.tokens[figures.steps].start_at(figures.tokens)
+        self._buckets[bucket] = b
 
     def buckets(self) -> list[int]:
         """The buckets seen so far, ascending."""

@@ -24,6 +24,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_gate_memory():
+    """Servers the tests start keep no gate memory (``SGLANG_ECOSPEC_GATE_MEMORY=off``), so
+    one test's decisions never reach another's server (or the next run's); a test of the
+    memory gives its own directory."""
+    before = os.environ.get("SGLANG_ECOSPEC_GATE_MEMORY")
+    os.environ["SGLANG_ECOSPEC_GATE_MEMORY"] = "off"
+    yield
+    if before is None:
+        os.environ.pop("SGLANG_ECOSPEC_GATE_MEMORY", None)
+    else:
+        os.environ["SGLANG_ECOSPEC_GATE_MEMORY"] = before
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for a module's tests: tiny models and tables gain nothing from

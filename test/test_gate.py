@@ -337,3 +337,47 @@ def test_levels_are_validated(levels):
     with pytest.raises(ValueError, match="gate levels"):
         UtilityGate(levels=levels)
     assert check_levels([PLAIN, 2, 5]) == (PLAIN, 2, 5)
+
+
+def test_a_seeded_bucket_starts_settled_at_its_level_and_neighbours_inherit_it():
+    options = GateOptions(probe_interval=50, max_probe_interval=50, probe_steps=3, min_samples=4)
+    first = UtilityGate(options)
+    drive(first, 40, 16, spec_time=2.0, plain_time=1.1, tokens=1.6)
+    saved = first.state(16)
+    assert saved.settled and not saved.open
+    restarted = UtilityGate(options)
+    restarted.seed(16, saved)
+    state = restarted.state(16)
+    assert state.settled and state.level == PLAIN and state.switches == 0
+    assert state.utility == pytest.approx(saved.utility)
+    # No start-up measurement: plain decoding until the first probe, probe_interval away.
+    levels = drive(restarted, 60, 16, spec_time=2.0, plain_time=1.1, tokens=1.6)
+    assert levels[:50] == [PLAIN] * 50 and SPECULATE in levels[50:]
+    # A fresh bucket starts from the seeded one's level, as from a measured neighbour's.
+    assert drive(restarted, 3, 8, spec_time=1.0, plain_time=0.6, tokens=1.6) == [PLAIN] * 3
+    assert restarted.closed_everywhere()
+
+
+def test_a_seeded_open_bucket_closes_on_its_own_figures():
+    gate = UtilityGate(GateOptions(min_samples=2, smoothing=0.5))
+    seeded = UtilityGate(GateOptions(min_samples=2))
+    drive(seeded, 20, 4, spec_time=0.2, plain_time=0.15, tokens=1.8)
+    assert seeded.state(4).open
+    gate.seed(4, seeded.state(4))
+    # The traffic changed: acceptance fell. The seeded figures blend into the new samples.
+    levels = drive(gate, 10, 4, spec_time=0.2, plain_time=0.15, tokens=1.1)
+    assert levels[0] == SPECULATE and gate.state(4).level == PLAIN
+
+
+def test_seed_refuses_what_does_not_fit():
+    gate = UtilityGate(levels=(0, 1, 3))
+    other = UtilityGate()
+    drive(other, 20, 1, spec_time=0.2, plain_time=0.1, tokens=1.5)
+    with pytest.raises(ValueError, match="levels"):
+        gate.seed(1, other.state(1))
+    two = UtilityGate()
+    with pytest.raises(ValueError, match="no bucket key"):
+        two.seed(3, other.state(1))
+    two.seed(1, other.state(1))
+    with pytest.raises(ValueError, match="seen already"):
+        two.seed(1, other.state(1))

@@ -220,7 +220,8 @@ def _make_worker_class():
         def _install_gate(self, server_args) -> None:
             from sglang.srt.arg_groups.model_override_base import resolved_view
 
-            from sglang_ecospec import gate, hooks, metrics, tp_agreement
+            from sgl_ecospec.costmodel.calibration import device_name
+            from sglang_ecospec import gate, gate_memory, hooks, metrics, tp_agreement
 
             reason = gate.unsupported_reason(resolved_view(server_args))
             if reason is not None:
@@ -231,11 +232,21 @@ def _make_worker_class():
                     reason,
                 )
                 return
+            settings = self.ecospec_settings
+            memory = None
+            directory = gate_memory.memory_dir(settings.gate_memory)
+            if directory is not None:
+                levels = gate.gate_levels(self.speculative_num_steps, settings.gate_narrow)
+                dtype = self._target_worker.model_runner.model_config.dtype
+                device = device_name(torch.device(self.device))
+                key = gate_memory.memory_key(server_args, settings, levels, dtype, device)
+                memory = (gate_memory.memory_file(directory, key), key)
             self.ecospec_gate = gate.install(
                 self,
-                self.ecospec_settings.gate_options(),
+                settings.gate_options(),
                 tp_agreement.selection_group(),
-                narrow=self.ecospec_settings.gate_narrow,
+                narrow=settings.gate_narrow,
+                memory=memory,
             )
             hooks.activate([metrics.gate_slot.bind(self.ecospec_gate)])
 

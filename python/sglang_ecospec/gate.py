@@ -37,6 +37,9 @@ Ranks: every rank of the TP group must run the same level, or the collectives of
 forward would mix a one-token verify with a tree verify. With more than one rank, rank 0's
 level is broadcast over the group's CPU (gloo) group before each step (one 8-byte broadcast).
 
+Memory (setting ``gate_memory``, :mod:`sglang_ecospec.gate_memory`): rank 0 writes the settled
+buckets at each decision, and a restarted server of the same key starts from them.
+
 Logged: each bucket's first decision and every change of state, with its measurements.
 Exported (``--enable-metrics``): ``sglang:ecospec_gate_open`` and
 ``sglang:ecospec_gate_utility`` per bucket (label ``batch_sizes``).
@@ -56,6 +59,7 @@ from sgl_ecospec.gate import (
     UtilityGate,
     bucket_label,
 )
+from sglang_ecospec import gate_memory
 
 logger = logging.getLogger(__name__)
 
@@ -183,11 +187,22 @@ class GatePolicy:
         device: the worker's device (step timing).
         group: SGLang's ``GroupCoordinator`` of the TP ranks (more than one), or None.
         narrow: also the narrow level, one draft step (setting ``gate_narrow``).
+        memory: ``(file, key)`` of the gate's memory (:mod:`sglang_ecospec.gate_memory`),
+            restored now and written by rank 0 at each decision; None: no memory.
     """
 
-    def __init__(self, num_steps: int, options: GateOptions, device, group=None, narrow=False):
+    def __init__(
+        self, num_steps: int, options: GateOptions, device, group=None, narrow=False, memory=None
+    ):
         self.levels = gate_levels(num_steps, narrow)
         self.gate = UtilityGate(options, levels=self.levels, on_change=self._changed)
+        self.memory = memory
+        if memory is not None:
+            for bucket in gate_memory.restore(self.gate, *memory):
+                state = self.gate.state(bucket)
+                logger.info("%s (restored from %s)", describe(bucket, state), memory[0])
+            if group is not None and group.rank != group.ranks[0]:
+                self.memory = None  # rank 0 writes it
         self.timer = StepTimer(device)
         self.group = group
         self.metrics: GateMetrics | None = None
@@ -276,6 +291,8 @@ class GatePolicy:
 
     def _changed(self, bucket: int, state: BucketState) -> None:
         logger.info(describe(bucket, state))
+        if self.memory is not None:
+            gate_memory.save(self.gate, *self.memory)
         # The gauges follow each change at once, not only on the next decode log tick, so a
         # scrape never shows a state the log has already left.
         if self.metrics is not None:
@@ -313,15 +330,18 @@ def skip_draft_prefill(worker, policy: GatePolicy) -> None:
     draft_worker._draft_extend_for_prefill = gated_draft_prefill
 
 
-def install(worker, options: GateOptions, group=None, narrow: bool = False) -> GatePolicy:
+def install(
+    worker, options: GateOptions, group=None, narrow: bool = False, memory=None
+) -> GatePolicy:
     """Gives ``worker`` (an ``EAGLEWorkerV2``, before SGLang's ``init_cuda_graphs``) an
-    adaptive controller driven by :class:`GatePolicy`; its runtime states (one per level of
-    :func:`gate_levels`) are built when SGLang initialises the CUDA graphs."""
+    adaptive controller driven by :class:`GatePolicy` (``memory`` as there); its runtime
+    states (one per level of :func:`gate_levels`) are built when SGLang initialises the CUDA
+    graphs."""
     from sglang.srt.speculative.adaptive_runtime_state import AdaptiveController
 
     if os.environ.get(SKIP_DRAFT_EXTEND_ENV) is None:
         os.environ[SKIP_DRAFT_EXTEND_ENV] = "1"
-    policy = GatePolicy(worker.speculative_num_steps, options, worker.device, group, narrow)
+    policy = GatePolicy(worker.speculative_num_steps, options, worker.device, group, narrow, memory)
     worker.adaptive_controller = AdaptiveController(worker, policy)
     skip_draft_prefill(worker, policy)
     logger.info(

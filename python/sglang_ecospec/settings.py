@@ -159,6 +159,11 @@ class EcoSpecSettings:
             (:class:`sgl_ecospec.gate.GateOptions`).
         gate_probe_budget: the largest share of a bucket's time its probes may lose, in
             (0, 1]; probes of a level that loses by far come less often.
+        gate_memory: where the gate keeps its settled decisions, so that a restarted server
+            of the same model, draft, tree, settings and device starts from them rather than
+            measuring again (:mod:`sglang_ecospec.gate_memory`): "auto"
+            (``$SGL_ECOSPEC_CACHE/gate``, default ``~/.cache/sgl-ecospec/gate``), a directory,
+            or "off".
         selection: derived, not set: the checked ``SelectionOptions`` of policy, eps,
             share_buffer, total_weight and min_score, which every batch selects with; None
             with eps "auto" (``eps_table.BatchOptions`` builds one per batch-size bucket).
@@ -197,6 +202,7 @@ class EcoSpecSettings:
     gate_probe_steps: int = GateOptions.probe_steps
     gate_min_samples: int = GateOptions.min_samples
     gate_probe_budget: float = GateOptions.probe_budget
+    gate_memory: str = "auto"
     selection: SelectionOptions | None = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -258,6 +264,10 @@ class EcoSpecSettings:
         for name in ("halve_every", "log_interval"):
             if getattr(self, name) < 0:
                 raise EcoSpecSettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.gate_memory.strip():
+            raise EcoSpecSettingsError(
+                'gate_memory must be "auto", "off" or a directory, got an empty string'
+            )
         try:
             self.gate_options()
         except ValueError as exc:

@@ -260,7 +260,9 @@ def test_ecospec_serves_a_trained_head(models, prompts, plain_outputs, head_file
     assert report["val_recall"] > 0.3, report["val_recall"]
 
 
-def test_utility_gate_decodes_plainly_where_speculation_loses(models, prompts, plain_outputs, logs):
+def test_utility_gate_decodes_plainly_where_speculation_loses(
+    models, prompts, plain_outputs, logs, tmp_path
+):
     args = [*spec_args(models, "ECOSPEC"), "--enable-metrics", "--decode-log-interval", "4"]
     # Probes as often as the interval allows (budget 1): they re-enter speculation from the
     # stale draft state of requests whose prefill skipped the draft model, still lossless.
@@ -269,6 +271,7 @@ def test_utility_gate_decodes_plainly_where_speculation_loses(models, prompts, p
         "SGLANG_ECOSPEC_GATE_PROBE_INTERVAL": "16",
         "SGLANG_ECOSPEC_GATE_PROBE_BUDGET": "1",
         "SGLANG_ECOSPEC_GATE_NARROW": "1",
+        "SGLANG_ECOSPEC_GATE_MEMORY": str(tmp_path / "gate-memory"),
     }
     outputs, _, metrics_text, text = serve(args, prompts, logs / "gate.log", env=env)
     assert_lossless(outputs, plain_outputs)
@@ -285,6 +288,12 @@ def test_utility_gate_decodes_plainly_where_speculation_loses(models, prompts, p
     expected = 1.0 if states[-1] == "speculate" else 0.0
     samples = prometheus_values(metrics_text, "sglang:ecospec_gate_open")
     assert samples and all('batch_sizes="1"' in labels and v == expected for labels, v in samples)
+
+    # A restarted server starts from the last one's decisions: no start-up measurement.
+    outputs, _, _, text = serve(args, prompts, logs / "gate-restarted.log", env=env)
+    assert_lossless(outputs, plain_outputs)
+    lines = re.findall(r"EcoSpec gate: batch sizes 1 (speculate|decode plainly):(.*)", text)
+    assert lines and lines[0][0] == states[-1] and "restored from" in lines[0][1]
 
 
 @pytest.fixture(scope="module")

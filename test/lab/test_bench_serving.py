@@ -2,6 +2,7 @@
 run (CPU development mode, tiny models) that must print the table and write the JSON."""
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -261,13 +262,20 @@ def test_script_runs_servers_and_writes_table(tmp_path):
             "2",
             "--json",
             str(out),
+            "--log-dir",
+            str(tmp_path / "logs"),
         ],
         capture_output=True,
         text=True,
         timeout=1200,
+        env={k: v for k, v in os.environ.items() if k != "SGLANG_ECOSPEC_GATE_MEMORY"},
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    runs = {r["algorithm"]: r for r in json.loads(out.read_text())["runs"]}
+    data = json.loads(out.read_text())
+    # The run's ECOSPEC servers share a gate memory of the run's own.
+    memory = str(tmp_path / "logs" / "gate-memory")
+    assert data["config"]["ecospec_settings"] == {"gate_memory": memory}
+    runs = {r["algorithm"]: r for r in data["runs"]}
     assert set(runs) == {"none", "ecospec"}
     for run in runs.values():  # two rounds of two prompts, the medians reported
         assert run["completed"] == 4 and run["output_throughput"] > 0

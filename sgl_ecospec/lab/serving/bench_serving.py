@@ -10,21 +10,23 @@ before and after the phase), and, for ECOSPEC servers, unique experts per layer 
 step and predictor recall (from the scheduler's ``EcoSpec:`` log lines of that phase).
 With ``--rounds R`` every algorithm is measured R times in turn and the medians reported.
 
-``ecospec-confidence`` is ECOSPEC with ``policy=confidence`` and the utility gate off: the
-same verify sets as EAGLE3 in every step (SGLang's ``organize_draft_results`` ranking,
-equality tested), measured by the plugin, so its expert count is EAGLE3's at the same
-settings; the ``eagle3`` row is SGLang's own worker, for throughput. ``ecospec`` is ECOSPEC as
-an operator gets it (utility gate on).
+``ecospec-confidence`` is ECOSPEC with ``policy=confidence`` and the utility gate off: EAGLE3's
+verify sets in every step (equality tested), measured by the plugin, so its expert count is
+EAGLE3's; the ``eagle3`` row is SGLang's own worker, for throughput. ``ecospec`` is ECOSPEC as
+an operator gets it (utility gate on; the run's ECOSPEC servers share a gate memory that is
+empty at the run's start, so a later round's server starts where the last one settled).
 
-Without a GPU the servers run in the CPU development mode (``scripts/launch_cpu.sh``) with
-the arguments it needs; the default model is the small testbed. On a GPU pass
-``--model-path``, ``--draft-model-path`` and any server flags in ``--server-args``.
+Without a GPU the servers run in the CPU development mode (``scripts/launch_cpu.sh``) on the
+small testbed by default. On a GPU pass ``--model-path``, ``--draft-model-path`` and any
+server flags in ``--server-args``.
 """
 
 import argparse
 import contextlib
 import json
+import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,11 +53,10 @@ from sgl_ecospec.lab.serving.server_memory import resolve_server_mode
 from sgl_ecospec.ops.selection import SelectionOptions
 
 ALGORITHMS = ("none", "eagle3", "ecospec-confidence", "ecospec")
-# The warmup's user message, rendered with the chat template like every measured prompt: the
-# template's shared head then sits in each server's prefix cache before the measured window,
-# as in a server that has been serving. Without it the cache hit depends on the scheduler
-# (the plain server's and ECOSPEC's overlap scheduler plan the batch before the first
-# prompt's prefix is cached, EAGLE3's synchronous one after) rather than on the algorithm.
+GATE_MEMORY_ENV = "SGLANG_ECOSPEC_GATE_MEMORY"
+# The warmup's user message, chat-rendered like every measured prompt: the template's head is
+# in each server's prefix cache before the measured window, whatever the scheduler (overlap or
+# synchronous) plans before the first prompt's prefix is cached.
 WARMUP_MESSAGE = "Hello"
 DATASETS = ("mt-bench", "sharegpt")
 TESTBEDS = ("small", "full", "bandwidth")
@@ -395,6 +396,10 @@ def run(cfg: dict, work: Path, log=print) -> list[dict]:
     with "one-at-a-time" each algorithm's server starts for its turn of each round and stops
     after it (models of which only one copy fits in memory)."""
     dataset_file = work / f"{cfg['dataset']}.json"
+    if "gate_memory" not in cfg["ecospec_settings"] and GATE_MEMORY_ENV not in os.environ:
+        memory = work / "gate-memory"  # the run's own (module docstring)
+        shutil.rmtree(memory, ignore_errors=True)
+        cfg["ecospec_settings"]["gate_memory"] = str(memory)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
