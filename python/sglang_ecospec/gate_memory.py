@@ -22,8 +22,6 @@ written to a temporary file and renamed, so a reader never sees half of one.
 """
 
 import dataclasses
-import hashlib
-import importlib.metadata
 import json
 import logging
 import os
@@ -31,10 +29,10 @@ import tempfile
 from pathlib import Path
 
 from sgl_ecospec.gate import BucketState, LevelFigures, UtilityGate
+from sglang_ecospec.cache_files import cache_root, file_digest, key_digest, plugin_version, slug
 
 logger = logging.getLogger(__name__)
 
-CACHE_ENV = "SGL_ECOSPEC_CACHE"  # the lab's cache root (the calibration's cache too)
 AUTO, OFF = "auto", "off"
 # Settings that change what the server logs, not what the gate measures.
 UNKEYED_SETTINGS = ("log_interval", "gate_memory")
@@ -45,8 +43,7 @@ def memory_dir(setting: str) -> Path | None:
     if setting == OFF:
         return None
     if setting == AUTO:
-        base = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "sgl-ecospec"
-        return Path(base) / "gate"
+        return cache_root() / "gate"
     return Path(setting)
 
 
@@ -79,23 +76,14 @@ def memory_key(server_args, settings, levels, dtype, device_name: str) -> dict:
         "dtype": str(dtype),
         "device": device_name,
         "settings": json.loads(json.dumps(fields, default=str)),
-        "version": _version(),
+        "version": plugin_version(),
     }
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("sgl-ecospec")
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree
-        return "source"
 
 
 def memory_file(directory: Path, key: dict) -> Path:
     """The memory's file for ``key`` in ``directory``."""
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    name = Path(str(key["target"]["path"])).name or "model"
-    slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
-    return directory / f"{slug}-{digest}.json"
+    name = slug(Path(str(key["target"]["path"])).name) or "model"
+    return directory / f"{name}-{key_digest(key)}.json"
 
 
 def save(gate: UtilityGate, path: Path, key: dict) -> None:
@@ -153,9 +141,7 @@ def _state(entry: dict) -> BucketState:
 def _checkpoint(path: str | None) -> dict | None:
     if path is None:
         return None
-    config = Path(path) / "config.json"
-    digest = hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None
-    return {"path": str(Path(path).resolve()), "config": digest}
+    return {"path": str(Path(path).resolve()), "config": file_digest(Path(path) / "config.json")}
 
 
 def _number(value: float) -> float | None:

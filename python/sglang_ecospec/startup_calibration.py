@@ -29,12 +29,9 @@ the fallback.
 import contextlib
 import dataclasses
 import fcntl
-import hashlib
-import importlib.metadata
 import json
 import logging
 import os
-import re
 import shlex
 import socket
 import subprocess
@@ -46,11 +43,11 @@ from typing import NamedTuple
 import torch
 
 from sgl_ecospec.costmodel.calibration import CalibrationFileError, CalibrationProfile, device_name
+from sglang_ecospec.cache_files import cache_root, file_digest, key_digest, plugin_version, slug
 from sglang_ecospec.settings import CALIBRATION_GRID, EcoSpecSettings, calibration_sizes
 
 logger = logging.getLogger(__name__)
 
-CACHE_ENV = "SGL_ECOSPEC_CACHE"  # the lab's cache root (the testbed is cached there too)
 CALIBRATE_MODULE = "sglang_ecospec.calibration_child"
 # The calibrate command's flag of each CALIBRATION_GRID setting, in that order.
 GRID_FLAGS = ("--batch-sizes", "--tokens", "--unique-experts", "--repeats")
@@ -187,8 +184,7 @@ def leads_calibration(group) -> bool:
 
 def cache_dir() -> Path:
     """``$SGL_ECOSPEC_CACHE/calibration``, default ``~/.cache/sgl-ecospec/calibration``."""
-    base = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "sgl-ecospec"
-    return Path(base) / "calibration"
+    return cache_root() / "calibration"
 
 
 def grid_flags(settings: EcoSpecSettings) -> list[str]:
@@ -221,16 +217,16 @@ def cache_file(served: ServedModel, settings: EcoSpecSettings) -> Path:
     draft = None if served.draft_path is None else Path(served.draft_path)
     key = {
         "model_path": str(target.resolve()),
-        "model_config": _file_digest(target / "config.json"),
+        "model_config": file_digest(target / "config.json"),
         "draft_path": None if draft is None else str(draft.resolve()),
-        "draft_config": None if draft is None else _file_digest(draft / "config.json"),
+        "draft_config": None if draft is None else file_digest(draft / "config.json"),
         "device": device,
         "dtype": str(served.dtype),
         "grid": grid_flags(settings),
-        "version": importlib.metadata.version("sgl-ecospec"),
+        "version": plugin_version(),
     }
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir() / f"{_slug(target.name)}-{_slug(device)}-{digest}.json"
+    digest = key_digest(key)
+    return cache_dir() / f"{slug(target.name)}-{slug(device)}-{digest}.json"
 
 
 def calibrate_command(served: ServedModel, settings: EcoSpecSettings, out: Path) -> list[str]:
@@ -412,18 +408,6 @@ def _failure_since(failed: Path, started: float) -> str | None:
     if isinstance(record, dict) and record.get("time", 0) >= started:
         return str(record.get("error"))
     return None
-
-
-def _file_digest(path: Path) -> str | None:
-    """sha256 of the file's bytes, or None where there is no such file."""
-    try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError:
-        return None
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:48]
 
 
 def _text(output: str | bytes | None) -> str:
