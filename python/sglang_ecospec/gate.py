@@ -9,11 +9,11 @@ one-node verify of the bonus token, which samples the next token from the target
 through the verify graph captured for one draft token), and its adaptive-speculation controller
 (``AdaptiveController``) holds a runtime state (attention backends, CUDA graphs) per step count
 and switches between them before each decode step. SGLang builds the state of ``s`` steps with
-``s + 1`` draft tokens, so the narrow level (setting ``gate_narrow``, off by default: on the
-bandwidth testbed it measured no gain and its measurements cost a short run 5%,
-docs/results/log.md) is one draft step verifying the draft's most likely token (SGLang's own
-selection: with one slot per request there is no set to choose), for where a wide tree's verify
-costs more than it yields but one drafted token still pays. :class:`GatePolicy` is the
+``s + 1`` draft tokens, so the narrow level (setting ``gate_narrow``, on by default: on the
+bandwidth testbed at concurrency 16 it decoded 6% faster than the plain server where the tree
+lost, docs/results/log.md) is one draft step verifying the draft's most likely token (SGLang's
+own selection: with one slot per request there is no set to choose), for where a wide tree's
+verify costs more than it yields but one drafted token still pays. :class:`GatePolicy` is the
 controller's policy (SGLang's ``AdaptiveSpecPolicy`` protocol) with the step counts 0, 1
 (narrow) and the configured ``--speculative-num-steps``; :func:`install` builds the controller
 on the worker. While a bucket decodes plainly the draft model does not run at all: the worker
@@ -22,9 +22,9 @@ draft extend after the one-node verify is skipped too. Re-entering speculation, 
 draft from a draft state that misses the plainly decoded positions (lossless: verification
 decides), so a closed bucket's probes refresh only the speculative step's time, not its
 acceptance (:mod:`sgl_ecospec.gate`). For the same reason, while every bucket seen decodes
-plainly (:meth:`UtilityGate.closed_everywhere`), a prefill skips the draft model's pass over
-the prompt (:func:`skip_draft_prefill`): a new request's first token then costs what it costs
-the plain server.
+plainly (:meth:`UtilityGate.closed_everywhere`), a prefill skips the draft model's pass over the
+prompt (:func:`skip_draft_prefill`): a new request's first token then costs what it costs the
+plain server.
 
 Timing: each decode step's time is measured around the worker's ``forward_batch_generation``
 (on the CPU its wall time; on a GPU two CUDA events on the forward stream, read when the step's
@@ -42,7 +42,9 @@ buckets at each decision, and a restarted server of the same key starts from the
 
 Logged: each bucket's first decision and every change of state, with its measurements.
 Exported (``--enable-metrics``): ``sglang:ecospec_gate_open`` and
-``sglang:ecospec_gate_utility`` per bucket (label ``batch_sizes``).
+``sglang:ecospec_gate_utility`` per bucket (label ``batch_sizes``), and the decode steps run
+at each level, ``sglang:ecospec_gate_{plain,narrow,tree}_steps_total`` (the steps before the
+first decode log tick are added then).
 """
 
 import collections
@@ -117,14 +119,35 @@ class StepTimer:
         return token
 
 
-class GateMetrics:
-    """The gate's Prometheus gauges (SGLang's scheduler labels plus ``batch_sizes``)."""
+# The kinds of decode step the gate counts (``sglang:ecospec_gate_<kind>_steps_total``).
+STEP_KINDS = ("plain", "narrow", "tree")
 
-    def __init__(self, labels: dict, *, gauge_cls=None, registry=None):
-        from prometheus_client import Gauge
+
+def step_kind(level: int, num_steps: int) -> str:
+    """ "plain" (0 draft steps), "tree" (the configured ``num_steps``) or "narrow" (one)."""
+    return "plain" if level == PLAIN else "tree" if level == num_steps else "narrow"
+
+
+class GateMetrics:
+    """The gate's Prometheus series: per bucket the gauges (SGLang's scheduler labels plus
+    ``batch_sizes``), and a counter of decode steps per kind of :data:`STEP_KINDS` (what the
+    serving benchmark prices each phase's steps by)."""
+
+    def __init__(self, labels: dict, *, gauge_cls=None, counter_cls=None, registry=None):
+        from prometheus_client import Counter, Gauge
 
         gauge_cls = gauge_cls or Gauge
+        counter_cls = counter_cls or Counter
         extra = {} if registry is None else {"registry": registry}
+        self.steps = {
+            kind: counter_cls(
+                name=f"sglang:ecospec_gate_{kind}_steps",
+                documentation=f"EcoSpec utility gate: decode steps run at the {kind} level.",
+                labelnames=list(labels),
+                **extra,
+            ).labels(**labels)
+            for kind in STEP_KINDS
+        }
         names = [*labels, "batch_sizes"]
         self.labels = labels
         self.open = gauge_cls(
@@ -211,6 +234,8 @@ class GatePolicy:
         self._pending: collections.deque = collections.deque(maxlen=64)
         self._level = self.levels[-1]
         self._stale = False
+        # Steps per kind not yet in the counters (all of them until the first export).
+        self._uncounted = dict.fromkeys(STEP_KINDS, 0)
         self._draft_prefill = True  # the last answer of draft_prefill_needed, logged on change
 
     # SGLang's AdaptiveSpecPolicy protocol.
@@ -254,14 +279,25 @@ class GatePolicy:
         if batch_size > 0:
             timing = self.timer.stop(started)
             self._pending.append((batch_size, self._level, timing, self._stale))
+            kind = step_kind(self._level, self.levels[-1])
+            if self.metrics is not None:
+                self.metrics.steps[kind].inc()
+            else:
+                self._uncounted[kind] += 1
 
     def export(self, collector) -> None:
         """Sets the gauges of every bucket seen (with ``--enable-metrics``, on SGLang's decode
         log ticks); the series get ``collector``'s labels and metric class."""
         if self.metrics is None:
             self.metrics = GateMetrics(
-                collector.labels, gauge_cls=getattr(collector, "_gauge_cls", None)
+                collector.labels,
+                gauge_cls=getattr(collector, "_gauge_cls", None),
+                counter_cls=getattr(collector, "_counter_cls", None),
             )
+        for kind, count in self._uncounted.items():
+            if count:
+                self.metrics.steps[kind].inc(count)
+        self._uncounted = dict.fromkeys(STEP_KINDS, 0)
         for bucket in self.gate.buckets():
             self.metrics.record(bucket, self.gate.state(bucket))
 

@@ -195,7 +195,7 @@ class EcoSpecSettings:
     verify_moe_kernel: bool = False
     calibrated_acceptance: bool = True
     gate: bool = True
-    gate_narrow: bool = False
+    gate_narrow: bool = True
     # The gate's defaults are GateOptions' own.
     gate_probe_interval: int = GateOptions.probe_interval
     gate_max_probe_interval: int = GateOptions.max_probe_interval

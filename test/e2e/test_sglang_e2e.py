@@ -17,9 +17,9 @@ predicting experts with a head trained by ``sgl-ecospec train-head``. Asserted:
    log line and /metrics carry EcoSpec's statistics with sane values;
 5. with the trained head: lossless, drafts accepted, and its recall well above chance;
 6. with the utility gate (on by default; off in the runs above) and its narrow level (one
-   drafted token per request; ``gate_narrow``, off by default): lossless, and on this CPU,
+   drafted token per request; ``gate_narrow``, on by default): lossless, and on this CPU,
    where speculation is slower than plain decoding, the gate decodes plainly after its first
-   measurements, says so in the log and on /metrics;
+   measurements, says so in the log and on /metrics (with its steps per level counted);
 7. with ``SGLANG_ECOSPEC_CALIBRATE=on``: the server calibrates the cost model on this CPU at
    startup (a tiny grid), logs the fit and prices with it, lossless;
 8. the README's CPU server command, with exactly its arguments (a free port for its port),
@@ -288,6 +288,9 @@ def test_utility_gate_decodes_plainly_where_speculation_loses(
     expected = 1.0 if states[-1] == "speculate" else 0.0
     samples = prometheus_values(metrics_text, "sglang:ecospec_gate_open")
     assert samples and all('batch_sizes="1"' in labels and v == expected for labels, v in samples)
+    for kind in ("plain", "narrow", "tree"):  # each level ran (the narrow one: measured)
+        counted = prometheus_values(metrics_text, f"sglang:ecospec_gate_{kind}_steps_total")
+        assert counted and counted[0][1] >= 1, (kind, counted)
 
     # A restarted server starts from the last one's decisions: no start-up measurement.
     outputs, _, _, text = serve(args, prompts, logs / "gate-restarted.log", env=env)

@@ -11,7 +11,9 @@ import pytest
 from sgl_ecospec.lab.serving import bench_serving, report, server_memory
 from sgl_ecospec.lab.serving.local_server import (
     accept_length_between,
+    counter_fields,
     ecospec_log_summary,
+    gate_steps_between,
     gpu_present,
     metric_totals,
 )
@@ -141,6 +143,22 @@ def test_accept_length_is_tokens_per_request_step_of_the_window():
     assert accept_length_between({}, plain, requests=2) is None
 
 
+def test_gate_steps_are_counted_per_level_over_the_window():
+    before = {"sglang:ecospec_gate_plain_steps_total": 4.0, "sglang:spec_verify_calls_total": 9.0}
+    after = {
+        "sglang:ecospec_gate_plain_steps_total": 10.0,
+        "sglang:ecospec_gate_narrow_steps_total": 3.0,
+        "sglang:ecospec_gate_tree_steps_total": 2.0,
+        "sglang:spec_verify_calls_total": 20.0,
+        "sglang:generation_tokens_total": 17.0,
+    }
+    assert gate_steps_between(before, after) == {"plain": 6, "narrow": 3, "tree": 2}
+    assert gate_steps_between(before, before) is None  # no step in the window
+    assert gate_steps_between({}, {"sglang:spec_verify_calls_total": 3.0}) is None  # no gate
+    fields = counter_fields(before, after, requests=1)
+    assert fields == {"accept_length": pytest.approx(16 / 11), "gate_steps": fields["gate_steps"]}
+
+
 def test_sharegpt_file_is_what_sglang_reads(tmp_path):
     from sglang.benchmark.datasets.sharegpt import sample_sharegpt_requests
     from sglang_ecospec_cpu.tiny import load_smollm2_tokenizer
@@ -228,6 +246,12 @@ def test_rounds_report_medians_and_the_ratio_to_no_speculation():
     assert combined["completed"] == 24 and combined["wall_seconds"] == 30.0
     assert [r["output_throughput"] for r in combined["rounds"]] == [10.0, 30.0, 12.0]
     assert combined["experts_per_layer_step"] is None  # no value in any round
+    assert combined["gate_steps"] is None  # no gate counters
+    counted = [
+        {**r, "gate_steps": {"plain": p, "narrow": 2, "tree": 1}}
+        for r, p in zip(rounds, (1, 5, 9), strict=True)
+    ]
+    assert report.combine(counted)["gate_steps"] == {"plain": 15, "narrow": 6, "tree": 3}
     runs = [_record("none", 1, 16.0, 60.0), combined, _record("eagle3", 4, 8.0, 90.0)]
     report.add_speed_ratios(runs)
     assert runs[0]["vs_none"] == 1.0 and runs[1]["vs_none"] == pytest.approx(0.75)
@@ -342,7 +366,7 @@ def test_servers_run_one_at_a_time_when_their_memory_does_not_fit(tmp_path, monk
 
 
 def test_predicted_tpot_prices_each_phase_by_its_steps_and_the_prefills_between_them():
-    from sgl_ecospec.costmodel import get_hardware, get_model
+    from sgl_ecospec.costmodel import formulas, get_hardware, get_model
     from sgl_ecospec.costmodel.performance import MoESDParams, PerformanceModel
     from sgl_ecospec.lab.serving import predicted
 
@@ -391,6 +415,16 @@ def test_predicted_tpot_prices_each_phase_by_its_steps_and_the_prefills_between_
     plain2 = phase("none", 2)
     assert predicted.predicted_tpot_ms(plain2, cfg, perf) == pytest.approx(
         1000 * (float(perf.ar_time(2)) + stall)
+    )
+    # With the gate's step counters each level is priced as it ran: 2 plain, 6 narrow (one
+    # draft forward, 2 tokens per request, uniform-routing union) and 2 tree steps.
+    counted = {**mixed, "accept_length": 1.5, "gate_steps": {"plain": 2, "narrow": 6, "tree": 2}}
+    assert predicted.speculative_share(counted) == pytest.approx(0.8)
+    narrow = 0.01 + float(perf.verify_time(4, 2)) + 0.002
+    union = formulas.expected_unique_experts(8, 128, 8)
+    assert narrow == pytest.approx(0.01 + 0.1 + 0.001 * union + 0.002)
+    assert predicted.predicted_tpot_ms(counted, cfg, perf) == pytest.approx(
+        1000 * (0.2 * float(perf.ar_time(4)) + 0.6 * narrow + 0.2 * speculative) / 1.5
     )
     assert predicted.predicted_tpot_ms(phase("eagle3", 2), cfg, perf) is None  # no acceptance
     runs = [plain2, phase("eagle3", 2)]

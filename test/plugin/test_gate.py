@@ -129,6 +129,36 @@ def test_metrics_per_bucket():
     assert value("sglang:ecospec_gate_open", "3-4") == 0.0
 
 
+def test_steps_are_counted_per_level():
+    registry = CollectorRegistry()
+    policy = plugin_gate.GatePolicy(3, OPTIONS, "cpu", narrow=True)
+    kinds = {level: plugin_gate.step_kind(level, 3) for level in policy.levels}
+    assert kinds == {0: "plain", 1: "narrow", 3: "tree"}
+    assert plugin_gate.step_kind(1, 1) == "tree"  # one configured step is the tree
+
+    def step(level):
+        policy._level = level
+        policy.step_finished(16, policy.step_started())
+
+    for level in (3, 3, 1, 0, 0, 0):
+        step(level)
+    step(0)
+    policy.step_finished(0, policy.step_started())  # an empty batch is no step
+    # Counted on the host until the first export, which creates the counters with them.
+    policy.metrics = plugin_gate.GateMetrics({"model_name": "m"}, registry=registry)
+    policy.export(SimpleNamespace(labels={"model_name": "m"}))
+
+    def value(kind):
+        return registry.get_sample_value(
+            f"sglang:ecospec_gate_{kind}_steps_total", {"model_name": "m"}
+        )
+
+    assert (value("plain"), value("narrow"), value("tree")) == (4.0, 1.0, 2.0)
+    step(1)  # after it, every step reaches its counter at once
+    policy.export(SimpleNamespace(labels={"model_name": "m"}))  # nothing counted twice
+    assert (value("plain"), value("narrow"), value("tree")) == (4.0, 2.0, 2.0)
+
+
 @pytest.mark.parametrize(
     "flag, value, words",
     [
@@ -202,15 +232,15 @@ def test_install_sets_the_controller_and_skips_the_draft_extend(monkeypatch):
 
 def test_settings():
     settings = EcoSpecSettings.from_env({})
-    assert settings.gate and not settings.gate_narrow and settings.gate_options() == GateOptions()
+    assert settings.gate and settings.gate_narrow and settings.gate_options() == GateOptions()
     env = {
         "SGLANG_ECOSPEC_GATE": "0",
         "SGLANG_ECOSPEC_GATE_PROBE_INTERVAL": "32",
-        "SGLANG_ECOSPEC_GATE_NARROW": "1",
+        "SGLANG_ECOSPEC_GATE_NARROW": "0",
     }
     settings = EcoSpecSettings.from_env(env)
     assert not settings.gate and settings.gate_options().probe_interval == 32
-    assert settings.gate_narrow
+    assert not settings.gate_narrow
     with pytest.raises(EcoSpecSettingsError, match="gate_probe_steps must be an int >= 2"):
         EcoSpecSettings.from_env({"SGLANG_ECOSPEC_GATE_PROBE_STEPS": "1"})
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from sgl_ecospec.lab.serving.local_server import (
     LocalServer,
     ServerError,
-    accept_length_between,
+    counter_fields,
     ecospec_log_summary,
     gpu_present,
 )
@@ -353,7 +353,7 @@ def measure(
     t0 = time.monotonic()
     result = run_client(cfg, server, dataset_file, concurrency, out)
     phase_log = server.log_text(offset)
-    accept = accept_length_between(counters, server.metrics(), result.get("completed") or 0)
+    counted = counter_fields(counters, server.metrics(), result.get("completed") or 0)
     stats = ecospec_log_summary(phase_log)
     return {
         "algorithm": algorithm,
@@ -364,7 +364,7 @@ def measure(
         "median_tpot_ms": result.get("median_tpot_ms"),
         "mean_ttft_ms": result.get("mean_ttft_ms"),
         "mean_input_len": (result.get("total_input_tokens") or 0) / max(1, result["completed"]),
-        "accept_length": accept,
+        **counted,
         "experts_per_layer_step": stats["experts_per_layer_step"],
         "predictor_recall": stats["predictor_recall"],
         "verify_steps_logged": stats["verify_steps"],

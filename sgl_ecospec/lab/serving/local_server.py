@@ -122,6 +122,32 @@ def accept_length_between(before: dict, after: dict, requests: int) -> float | N
     return (generated - requests) / verify
 
 
+# ECOSPEC's utility gate: decode steps per level (python/sglang_ecospec/gate.py).
+GATE_STEP_KINDS = ("plain", "narrow", "tree")
+
+
+def gate_steps_between(before: dict, after: dict) -> dict[str, int] | None:
+    """Decode steps per level of ECOSPEC's gate over a window (:func:`metric_totals` at its
+    start and end): ``{"plain", "narrow", "tree"}``; None from a server without the gate's
+    counters or without a step in the window."""
+    steps = {
+        kind: round(after.get(name, 0.0) - before.get(name, 0.0))
+        for kind in GATE_STEP_KINDS
+        for name in [f"sglang:ecospec_gate_{kind}_steps_total"]
+    }
+    return steps if sum(steps.values()) > 0 else None
+
+
+def counter_fields(before: dict, after: dict, requests: int) -> dict:
+    """A phase's record fields from the server's counters at its start and end:
+    ``accept_length`` (:func:`accept_length_between`) and ``gate_steps``
+    (:func:`gate_steps_between`)."""
+    return {
+        "accept_length": accept_length_between(before, after, requests),
+        "gate_steps": gate_steps_between(before, after),
+    }
+
+
 class LocalServer:
     """``with LocalServer(args, log_path) as server:`` starts, waits for /health, stops.
 

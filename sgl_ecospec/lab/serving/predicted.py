@@ -9,17 +9,20 @@ A phase at concurrency c keeps ``B = min(c, prompts)`` requests in flight. Its d
   EAGLE worker runs ``num_steps - 1`` in the draft loop and one draft extend after the
   verify), the verify of ``B x num_draft_tokens`` tokens and the accept step, divided by
   the measured acceptance length (tokens per request per step).
-- ECOSPEC with its utility gate runs both: a share f of its steps speculates, the rest are
-  plain steps of one token. The phase's acceptance length a mixes the two, a = f x a_s +
-  (1 - f), where a_s is the speculative steps' own (EcoSpec logs it with each line of
-  statistics), so f = (a - 1) / (a_s - 1), and a step costs f x speculative + (1 - f) x
-  plain. Without a_s (a run without those lines): a phase whose acceptance length is below
-  ``PLAIN_BELOW`` decoded plainly but for the gate's few probe steps, priced as none, and any
-  other as speculative throughout.
+- ECOSPEC with its utility gate mixes levels: plain steps of one token, steps of the
+  configured tree and, with ``gate_narrow``, narrow steps (one draft forward, a verify of two
+  tokens per request). Where the phase has the gate's step counters (``gate_steps``: plain,
+  narrow and tree steps), a step costs the counts' mix of the three and the phase's measured
+  acceptance length a (over all its steps) divides it. Without them, a share f of the steps
+  is priced as tree steps, the rest as plain ones: a = f x a_s + (1 - f), where a_s is the
+  tree steps' own (EcoSpec logs it with each line of statistics), so f = (a - 1) / (a_s - 1).
+  Without a_s either: a phase whose acceptance length is below ``PLAIN_BELOW`` decoded
+  plainly but for the gate's few probe steps, priced as none, and any other as speculative
+  throughout.
 
-U, the distinct experts per MoE layer of a speculative step, is the phase's logged
-``experts_per_layer_step`` where the server logged it (ECOSPEC logs its speculative steps),
-else the model's uniform-routing expectation N(tokens), as for every plain step.
+U, the distinct experts per MoE layer of a tree step, is the phase's logged
+``experts_per_layer_step`` where the server logged it (ECOSPEC logs its tree steps), else
+the model's uniform-routing expectation N(tokens), as for every plain and narrow step.
 
 TPOT (``sglang.bench_serving``'s mean time per output token after the first) also holds the
 prefills of requests that start while a request decodes: the server runs them between its
@@ -42,6 +45,9 @@ def speculative_share(record: dict) -> float:
     accept = record.get("accept_length")
     if record["algorithm"] not in SPECULATIVE or accept is None:
         return 0.0
+    counts = record.get("gate_steps")
+    if counts:
+        return 1.0 - counts["plain"] / sum(counts.values())
     spec_accept = record.get("spec_accept_length")
     if record["algorithm"] == "ecospec" and spec_accept is not None and spec_accept > 1.0:
         return min(max((accept - 1.0) / (spec_accept - 1.0), 0.0), 1.0)
@@ -56,13 +62,23 @@ def predicted_step_seconds(record: dict, cfg: dict, perf: PerformanceModel) -> f
     share = speculative_share(record)
     if share == 0.0:
         return plain
-    experts = record.get("experts_per_layer_step")
-    speculative = float(
-        cfg["num_steps"] * perf.draft_time(batch)
-        + perf.verify_time(batch, cfg["num_draft_tokens"], experts)
-        + perf.reject_time(batch)
+
+    def speculative(steps: int, tokens: int, experts: float | None) -> float:
+        return float(
+            steps * perf.draft_time(batch)
+            + perf.verify_time(batch, tokens, experts)
+            + perf.reject_time(batch)
+        )
+
+    tree = speculative(
+        cfg["num_steps"], cfg["num_draft_tokens"], record.get("experts_per_layer_step")
     )
-    return share * speculative + (1.0 - share) * plain
+    counts = record.get("gate_steps")
+    if not counts:
+        return share * tree + (1.0 - share) * plain
+    narrow = speculative(1, 2, None) if counts["narrow"] else 0.0
+    mixed = counts["plain"] * plain + counts["narrow"] * narrow + counts["tree"] * tree
+    return mixed / sum(counts.values())
 
 
 def predicted_tpot_ms(record: dict, cfg: dict, perf: PerformanceModel) -> float | None:

@@ -59,8 +59,9 @@ def format_table(runs: list[dict]) -> str:
 def combine(records: list[dict]) -> dict:
     """One (algorithm, concurrency)'s record over its rounds: the median of each figure (the
     machine's speed drifts between rounds; every algorithm saw each round), the rounds'
-    own figures under ``rounds``. The generated texts stay per round (``compare_outputs``
-    reads them), out of the combined record."""
+    own figures under ``rounds``; the gate's steps per level summed over the rounds. The
+    generated texts stay per round (``compare_outputs`` reads them), out of the combined
+    record."""
     combined = {k: v for k, v in records[0].items() if k != "generated_texts"}
     for key in MEDIAN_KEYS:
         values = [r[key] for r in records if r.get(key) is not None]
@@ -68,6 +69,10 @@ def combine(records: list[dict]) -> dict:
     combined["completed"] = sum(r["completed"] or 0 for r in records)
     combined["verify_steps_logged"] = sum(r["verify_steps_logged"] for r in records)
     combined["wall_seconds"] = sum(r["wall_seconds"] for r in records)
+    steps = [r.get("gate_steps") for r in records]  # the gate's levels: every round's steps
+    combined["gate_steps"] = (
+        None if None in steps else {kind: sum(s[kind] for s in steps) for kind in steps[0]}
+    )
     combined["rounds"] = [
         {k: r[k] for k in ("output_throughput", "mean_tpot_ms", "mean_ttft_ms")} for r in records
     ]
