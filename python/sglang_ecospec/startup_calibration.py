@@ -246,6 +246,8 @@ def calibrate_command(served: ServedModel, settings: EcoSpecSettings, out: Path)
     argv += ["--dtype", dtype]
     if served.device.type == "cpu":  # as this server runs (the command's own default is 1)
         argv += ["--threads", str(torch.get_num_threads())]
+    # The server prices verify sets, never a prefill: no prefill line.
+    argv += ["--prefill-tokens", "none"]
     return [*argv, *grid_flags(settings), "--out", str(out)]
 
 

@@ -9,7 +9,9 @@ profile file that carries the fit to the server (docs/costmodel.md, "Calibration
 3. ``calibrate``: fits the ten parameters (``fit_params`` without the roofline's load-time
    bounds: a real stack's step carries overheads no load time bounds; the unique-expert
    term k2 N is fitted on the measured unions) and returns a ``CalibrationProfile`` with
-   per-point relative residuals; ``save`` / ``load`` write and check its JSON file.
+   per-point relative residuals (and the measured prefill line,
+   :mod:`sgl_ecospec.costmodel.prefill`, where prefills were timed); ``save`` / ``load``
+   write and check its JSON file.
 
 The prior (``analytic_params``) stays the fallback where no profile is given.
 """
@@ -34,6 +36,7 @@ from sgl_ecospec.costmodel.performance import (
     TimingPoint,
     fit_params,
 )
+from sgl_ecospec.costmodel.prefill import PrefillLine
 from sgl_ecospec.costmodel.profiles import HardwareProfile, ModelProfile
 
 FORMAT = "sgl-ecospec-calibration/1"
@@ -77,16 +80,22 @@ class CalibrationGrid:
             forced to touch; each is clamped to what B x gamma tokens can touch,
             [top_k, min(num_experts, B gamma top_k)] (``target_points``).
         repeats: timed forwards per point (the median counts), after one warm-up.
+        prefill_tokens: prompt lengths of the one-request prefills timed for the prefill
+            line (:mod:`sgl_ecospec.costmodel.prefill`); empty: none.
     """
 
     batch_sizes: tuple[int, ...]
     tokens_per_request: tuple[int, ...]
     unique_experts: tuple[int, ...]
     repeats: int = 5
+    prefill_tokens: tuple[int, ...] = ()
 
     def __post_init__(self):
         for name in ("batch_sizes", "tokens_per_request", "unique_experts"):
             object.__setattr__(self, name, _check_sizes(name, getattr(self, name)))
+        if self.prefill_tokens:
+            prefill = _check_sizes("prefill_tokens", self.prefill_tokens)
+            object.__setattr__(self, "prefill_tokens", prefill)
         if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
             raise ValueError(f"repeats must be an integer >= 1, got {self.repeats!r}")
 
@@ -232,6 +241,7 @@ class CalibrationProfile:
         points: the timed points (target, draft, reject).
         created: UTC time of the fit, ISO 8601.
         command: the command line that made it, or "".
+        prefill: the measured prefill line, or None (no prefill timed).
     """
 
     device: str
@@ -245,6 +255,7 @@ class CalibrationProfile:
     points: tuple[TimingPoint, ...]
     created: str
     command: str = ""
+    prefill: PrefillLine | None = None
 
     def performance_model(self) -> PerformanceModel:
         """The fitted ``PerformanceModel`` (the model and measured device of the file)."""
@@ -307,6 +318,7 @@ class CalibrationProfile:
                 {**dataclasses.asdict(point), "predicted": float(pred), "residual": float(res)}
                 for point, pred, res in zip(self.points, predicted, residuals, strict=True)
             ],
+            "prefill": None if self.prefill is None else self.prefill.to_json(),
         }
 
     def save(self, path: str | Path) -> Path:
@@ -373,6 +385,7 @@ class CalibrationProfile:
             points=points,
             created=str(data["created"]),
             command=str(data.get("command", "")),
+            prefill=PrefillLine.from_json(data["prefill"]) if data.get("prefill") else None,
         )
         if not math.isfinite(profile.rms_residual):
             raise ValueError("the fitted model predicts a non-finite time at a timed point")
@@ -388,6 +401,7 @@ def calibrate(
     dtype: str,
     grid: CalibrationGrid,
     command: str = "",
+    prefill: PrefillLine | None = None,
 ) -> CalibrationProfile:
     """Fits the MoESD model to ``points`` timed on ``hardware`` (``time_grid``).
 
@@ -401,6 +415,7 @@ def calibrate(
         device: the device's readable name; dtype: the torch dtype name timed in.
         grid: where the points were timed (recorded in the profile).
         command: the command line, recorded.
+        prefill: the prefill line fitted to the timed prefills, or None.
     """
     fit = fit_params(points, model, hardware, load_bounds=False)
     return CalibrationProfile(
@@ -415,4 +430,5 @@ def calibrate(
         points=fit.points,
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         command=command,
+        prefill=prefill,
     )

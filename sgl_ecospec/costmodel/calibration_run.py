@@ -30,9 +30,11 @@ from sgl_ecospec.costmodel.forward_timing import (
     ControlledRouting,
     TargetTimer,
     draft_timer,
+    prefill_timer,
     reject_timer,
     target_profile,
 )
+from sgl_ecospec.costmodel.prefill import PrefillLine
 from sgl_ecospec.costmodel.profiles import ridge_tokens
 from sgl_ecospec.models.eagle3 import Eagle3Draft
 from sgl_ecospec.models.target import TargetModel
@@ -41,6 +43,8 @@ DEFAULT_BATCH_SIZES = "1,2,4,8,16"
 DEFAULT_TOKENS = "1,2,4,8"
 DEFAULT_UNIQUE_EXPERTS = "8,16,32,64"
 DEFAULT_REPEATS = 5
+# Prompt lengths of the timed prefills (the prefill line): MT-Bench's first turns are 50-200.
+DEFAULT_PREFILL_TOKENS = "32,128,256"
 # The CPU development server's OpenMP threads (scripts/launch_cpu.sh, ECOSPEC_CPU_THREADS).
 DEFAULT_CPU_THREADS = 1
 DEFAULT_CONTEXT = 32
@@ -67,6 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     grid.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, help="timed runs per point")
     grid.add_argument(
+        "--prefill-tokens",
+        default=DEFAULT_PREFILL_TOKENS,
+        help="prompt lengths of the one-request prefills timed for the prefill line (what the "
+        "serving benchmark prices the prefills between decode steps by); none: no prefill",
+    )
+    grid.add_argument(
         "--context", type=int, default=DEFAULT_CONTEXT, help="prefilled tokens per request"
     )
     grid.add_argument("--seed", type=int, default=0, help="input tokens and expert choice")
@@ -90,11 +100,13 @@ class CalibrationRun:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "CalibrationRun":
         """Checks the flags (ValueError naming the flag at fault), before any model loads."""
+        prefill = () if args.prefill_tokens == "none" else args.prefill_tokens
         grid = CalibrationGrid(
             _sizes("--batch-sizes", args.batch_sizes),
             _sizes("--tokens", args.tokens),
             _sizes("--unique-experts", args.unique_experts),
             args.repeats,
+            _sizes("--prefill-tokens", prefill) if prefill else (),
         )
         if args.context < 1:
             raise ValueError(f"--context must be >= 1, got {args.context}")
@@ -168,8 +180,26 @@ def calibrate_checkpoint(
             time_reject=time_reject,
             progress=progress,
         )
+        prefill = None
+        if grid.prefill_tokens:
+            time_prefill = prefill_timer(target, grid.repeats, seed=run.seed)
+            seconds = []
+            for tokens in grid.prefill_tokens:
+                seconds.append(time_prefill(tokens))
+                _log(
+                    f"[calibrate {time.perf_counter() - started:.0f}s] prefill of {tokens} "
+                    f"tokens: {seconds[-1] * 1e3:.1f} ms"
+                )
+            prefill = PrefillLine.fit(grid.prefill_tokens, seconds)
     fitted = calibrate(
-        timed, profile, hardware, device=label, dtype=run.dtype_name, grid=grid, command=command
+        timed,
+        profile,
+        hardware,
+        device=label,
+        dtype=run.dtype_name,
+        grid=grid,
+        command=command,
+        prefill=prefill,
     )
     fitted.save(run.out)
     print(format_fit(fitted))
@@ -238,6 +268,13 @@ def format_fit(profile: CalibrationProfile) -> str:
         f"residuals: rms {profile.rms_residual:.1%}, max {profile.max_abs_residual:.1%} "
         f"over {len(profile.points)} points"
     )
+    line = profile.prefill
+    if line is not None:
+        lines.append(
+            f"prefill line: {line.base * 1e3:.1f} ms + {line.per_token * 1e3:.3f} ms per token"
+        )
+        for tokens, seconds, res in zip(line.tokens, line.seconds, line.residuals(), strict=True):
+            lines.append(f"prefill {tokens:>5} tokens {seconds * 1e3:>12.3f} ms {res:>+8.1%}")
     return "\n".join(lines)
 
 

@@ -1,6 +1,7 @@
 """Timing a loaded MoE target on its device, for the cost model's calibration: its forward
-under controlled routing (exactly U experts per layer), the EAGLE-3 draft's step and the greedy
-accept step, and the target's ``ModelProfile`` counted from its parameters.
+under controlled routing (exactly U experts per layer), a request's prompt prefill, the EAGLE-3
+draft's step and the greedy accept step, and the target's ``ModelProfile`` counted from its
+parameters.
 
 Torch only: the target is a :class:`sgl_ecospec.models.target.TargetModel` (a transformers
 model loaded by the caller), the draft a :class:`sgl_ecospec.models.eagle3.Eagle3Draft`.
@@ -165,6 +166,25 @@ class TargetTimer:
             if repeat:
                 times.append(elapsed)
         return ForwardTiming(statistics.median(times), sum(measured) / len(measured))
+
+
+def prefill_timer(target, repeats: int, seed: int = 0):
+    """tokens -> median seconds of one request's prefill of that many random prompt tokens
+    (an empty cache, causal attention, the router's own routing), after one warm-up."""
+    generator = torch.Generator().manual_seed(seed)
+    sync, device = device_sync(target.device), target.device
+
+    def time_prefill(tokens: int) -> float:
+        ids = torch.randint(target.config.vocab_size, (1, tokens), generator=generator)
+        positions = torch.arange(tokens, device=device)[None]
+        causal = torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril()[None]
+
+        def prefill():
+            target.forward(ids.to(device), positions, target.new_cache(1), causal)
+
+        return median_seconds(prefill, repeats, sync)
+
+    return time_prefill
 
 
 def draft_timer(draft, target, context: int, repeats: int):

@@ -1,5 +1,6 @@
 """Calibration: the grid, the fit of timed points, the profile file (costmodel/calibration.py)."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -25,6 +26,7 @@ from sgl_ecospec.costmodel.calibration import (
     measure_hardware,
     time_grid,
 )
+from sgl_ecospec.costmodel.prefill import PrefillLine
 
 # The small testbed's shape in float32, and a 2-core CPU (20 GB/s, 100 GFLOP/s fp32).
 MODEL = ModelProfile(
@@ -103,6 +105,7 @@ def test_grid_clamps_unique_experts_to_what_the_tokens_can_touch():
         ({"tokens_per_request": (0, 1)}, "tokens_per_request must hold integers >= 1"),
         ({"unique_experts": (8, 8)}, "unique_experts repeats a value"),
         ({"repeats": 0}, "repeats must be an integer >= 1"),
+        ({"prefill_tokens": (32, 32)}, "prefill_tokens repeats a value"),
     ],
 )
 def test_grid_rejects_bad_values(kwargs, message):
@@ -204,6 +207,21 @@ def test_profile_file_round_trip(profile, tmp_path):
         profile.performance_model().verify_time(4, 4, 20.0)
     )
     assert "residual rms" in loaded.summary() and "k2" in loaded.summary()
+    assert data["prefill"] is None and loaded.prefill is None
+
+
+def test_profile_file_carries_the_prefill_line(profile, tmp_path):
+    line = PrefillLine.fit([32, 128], [1.2, 1.7])
+    grid = dataclasses.replace(profile.grid, prefill_tokens=(32, 128))
+    with_line = dataclasses.replace(profile, grid=grid, prefill=line)
+    loaded = CalibrationProfile.load(with_line.save(tmp_path / "p.json"))
+    assert loaded == with_line and loaded.grid.prefill_tokens == (32, 128)
+    # A profile written before the prefill line: no such field, no grid entry.
+    data = profile.to_json()
+    del data["prefill"], data["grid"]["prefill_tokens"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    old = CalibrationProfile.load(tmp_path / "old.json")
+    assert old.prefill is None and old.grid.prefill_tokens == ()
 
 
 def _corrupt(data: dict, change) -> dict:
@@ -224,6 +242,12 @@ def _corrupt(data: dict, change) -> dict:
         (lambda d: d["points"][0].update(seconds=0), "corrupt: TimingPoint.seconds must be > 0"),
         (lambda d: d["grid"].update(repeats=0), "corrupt: repeats must be"),
         (lambda d: d.update(fixed=["k9"]), r"corrupt: fixed names unknown parameters \['k9'\]"),
+        (
+            lambda d: d.update(
+                prefill={"tokens": [8], "seconds": [0.0], "base": 0, "per_token": 0}
+            ),
+            "corrupt: prefill points need tokens >= 1 and seconds > 0",
+        ),
     ],
 )
 def test_profile_file_errors_name_the_problem(profile, tmp_path, change, message):

@@ -368,6 +368,7 @@ def test_servers_run_one_at_a_time_when_their_memory_does_not_fit(tmp_path, monk
 def test_predicted_tpot_prices_each_phase_by_its_steps_and_the_prefills_between_them():
     from sgl_ecospec.costmodel import formulas, get_hardware, get_model
     from sgl_ecospec.costmodel.performance import MoESDParams, PerformanceModel
+    from sgl_ecospec.costmodel.prefill import PrefillLine
     from sgl_ecospec.lab.serving import predicted
 
     model = get_model("qwen3-30b-a3b")  # 128 experts, top 8
@@ -376,6 +377,7 @@ def test_predicted_tpot_prices_each_phase_by_its_steps_and_the_prefills_between_
         draft_bias=0.01, draft_k=0.0, reject_bias=0.002, reject_k=0.0,
     )  # fmt: skip
     perf = PerformanceModel(model, get_hardware("h200"), params)
+    pricing = predicted.Pricing(perf)  # no prefill line: prefills priced by the model
     cfg = {"num_prompts": 4, "num_steps": 3, "num_draft_tokens": 5, "output_len": 10}
 
     def phase(algorithm, concurrency, accept=None, experts=None):
@@ -386,17 +388,17 @@ def test_predicted_tpot_prices_each_phase_by_its_steps_and_the_prefills_between_
         }
 
     # Concurrency = prompts: one wave, no prefill between decode steps.
-    assert predicted.predicted_tpot_ms(phase("none", 4), cfg, perf) == pytest.approx(
+    assert predicted.predicted_tpot_ms(phase("none", 4), cfg, pricing) == pytest.approx(
         1000 * float(perf.ar_time(4))
     )
     spec = phase("ecospec", 4, accept=2.0, experts=20.0)
-    assert predicted.predicted_tpot_ms(spec, cfg, perf) == pytest.approx(
+    assert predicted.predicted_tpot_ms(spec, cfg, pricing) == pytest.approx(
         1000 * (3 * 0.01 + 0.1 + 0.001 * 20 + 0.002) / 2
     )
     # An ECOSPEC phase that decoded plainly but for a few probes is priced as none (its
     # logged experts are the probes').
     plain = phase("ecospec", 4, accept=1.004, experts=22.0)
-    assert predicted.predicted_tpot_ms(plain, cfg, perf) == pytest.approx(
+    assert predicted.predicted_tpot_ms(plain, cfg, pricing) == pytest.approx(
         1000 * float(perf.ar_time(4))
     )
     # An ECOSPEC phase whose gate speculated in a share of its steps: its acceptance length
@@ -404,7 +406,7 @@ def test_predicted_tpot_prices_each_phase_by_its_steps_and_the_prefills_between_
     mixed = {**phase("ecospec", 4, accept=1.2, experts=20.0), "spec_accept_length": 2.0}
     assert predicted.speculative_share(mixed) == pytest.approx(0.2)
     speculative = 3 * 0.01 + 0.1 + 0.001 * 20 + 0.002
-    assert predicted.predicted_tpot_ms(mixed, cfg, perf) == pytest.approx(
+    assert predicted.predicted_tpot_ms(mixed, cfg, pricing) == pytest.approx(
         1000 * (0.2 * speculative + 0.8 * float(perf.ar_time(4))) / 1.2
     )
     # EAGLE3 has no gate: every step speculates whatever it logs.
@@ -413,7 +415,7 @@ def test_predicted_tpot_prices_each_phase_by_its_steps_and_the_prefills_between_
     # tokens on every expert (0.1 + 0.128 s) spread over 4 requests' 9 decode intervals.
     stall = (4 - 2) * (2 - 1) / 4 * (0.1 + 0.001 * 128) / 9
     plain2 = phase("none", 2)
-    assert predicted.predicted_tpot_ms(plain2, cfg, perf) == pytest.approx(
+    assert predicted.predicted_tpot_ms(plain2, cfg, pricing) == pytest.approx(
         1000 * (float(perf.ar_time(2)) + stall)
     )
     # With the gate's step counters each level is priced as it ran: 2 plain, 6 narrow (one
@@ -423,12 +425,17 @@ def test_predicted_tpot_prices_each_phase_by_its_steps_and_the_prefills_between_
     narrow = 0.01 + float(perf.verify_time(4, 2)) + 0.002
     union = formulas.expected_unique_experts(8, 128, 8)
     assert narrow == pytest.approx(0.01 + 0.1 + 0.001 * union + 0.002)
-    assert predicted.predicted_tpot_ms(counted, cfg, perf) == pytest.approx(
+    assert predicted.predicted_tpot_ms(counted, cfg, pricing) == pytest.approx(
         1000 * (0.2 * float(perf.ar_time(4)) + 0.6 * narrow + 0.2 * speculative) / 1.5
     )
-    assert predicted.predicted_tpot_ms(phase("eagle3", 2), cfg, perf) is None  # no acceptance
+    # With a measured prefill line, the stalls are priced by it: 0.5 + 0.01 x 50 = 1.0 s.
+    line = PrefillLine.fit([10, 100], [0.6, 1.5])
+    assert predicted.predicted_tpot_ms(plain2, cfg, predicted.Pricing(perf, line)) == (
+        pytest.approx(1000 * (float(perf.ar_time(2)) + (4 - 2) * (2 - 1) / 4 * 1.0 / 9))
+    )
+    assert predicted.predicted_tpot_ms(phase("eagle3", 2), cfg, pricing) is None  # no acceptance
     runs = [plain2, phase("eagle3", 2)]
-    predicted.add_predictions(runs, cfg, perf)
+    predicted.add_predictions(runs, cfg, pricing)
     assert runs[0]["tpot_error"] == pytest.approx(runs[0]["predicted_tpot_ms"] / 100.0 - 1)
     assert runs[1]["predicted_tpot_ms"] is None and runs[1]["tpot_error"] is None
     assert "pred ms" in report.format_table(runs).splitlines()[0]

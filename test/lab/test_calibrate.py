@@ -143,10 +143,11 @@ def test_calibrate_command_on_a_minimal_grid(models, tmp_path, capsys):
     out = tmp_path / "profile.json"
     argv = ["calibrate", "--target", str(models / "target"), "--draft", str(models / "draft")]
     argv += ["--batch-sizes", "1,2", "--tokens", "1,3", "--unique-experts", "4,12"]
-    argv += ["--repeats", "1", "--context", "4", "--out", str(out)]
+    argv += ["--repeats", "1", "--context", "4", "--prefill-tokens", "8,24", "--out", str(out)]
     assert main(argv) == 0
     printed = capsys.readouterr()
     assert "residuals: rms" in printed.out and f"wrote {out}" in printed.out
+    assert "prefill line:" in printed.out and "prefill of 24 tokens" in printed.err
     assert "[calibrate 1/" in printed.err
     profile = CalibrationProfile.load(out)
     kinds = [p.kind for p in profile.points]
@@ -160,6 +161,12 @@ def test_calibrate_command_on_a_minimal_grid(models, tmp_path, capsys):
     assert unions == [4.0, 4.0, 12.0, 12.0]
     assert sorted(p.unique_experts for p in profile.points if p.kind == "ar") == [4.0, 4.0, 8.0]
     assert json.loads(out.read_text())["grid"]["unique_experts"] == [4, 12]
+    line = profile.prefill
+    assert line.tokens == (8, 24) and all(s > 0 for s in line.seconds)
+    assert line.base >= 0 and line.per_token >= 0 and line.predict(24) > 0
+    none = tmp_path / "none.json"
+    argv[argv.index("8,24")], argv[-1] = "none", str(none)
+    assert main(argv) == 0 and CalibrationProfile.load(none).prefill is None
 
 
 @pytest.mark.parametrize(
@@ -169,6 +176,7 @@ def test_calibrate_command_on_a_minimal_grid(models, tmp_path, capsys):
         (["--tokens", "1,x"], "--tokens must be comma-separated integers"),
         (["--unique-experts", "4,99"], r"unique_experts \[99\] exceed the model's 16 experts"),
         (["--repeats", "0"], "repeats must be an integer >= 1"),
+        (["--prefill-tokens", "8,0"], "--prefill-tokens must hold distinct integers >= 1"),
         (["--context", "0"], "--context must be >= 1"),
         (["--threads", "0"], "--threads must be >= 1"),
         (["--device", "tpu"], "is not a torch device|must be cpu or cuda"),

@@ -122,6 +122,7 @@ def test_the_child_is_the_calibrate_command_on_the_served_model(served, tmp_path
         "--device": "cpu",
         "--dtype": "bfloat16",
         "--threads": str(torch.get_num_threads()),
+        "--prefill-tokens": "none",  # the server prices no prefill
         "--batch-sizes": "1,2",
         "--tokens": "1,2",
         "--unique-experts": "8",

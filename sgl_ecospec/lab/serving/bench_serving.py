@@ -440,13 +440,13 @@ def run(cfg: dict, work: Path, log=print) -> list[dict]:
 def predict_from(json_path: str, profile: str) -> int:
     """``--predict-from``: an earlier run's phases priced by ``profile``, the table printed."""
     try:
-        perf = load_profile(profile)
+        pricing = load_profile(profile)
         data = json.loads(Path(json_path).read_text())
         cfg, runs = data["config"], data["runs"]
     except (OSError, ValueError, KeyError) as exc:
         print(f"bench_serving: error: {exc}", file=sys.stderr)
         return 2
-    add_predictions(runs, cfg, perf)
+    add_predictions(runs, cfg, pricing)
     print(format_table(runs))
     return 0
 
@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
             if cfg[key] is not None and not Path(cfg[key]).exists():
                 raise FileNotFoundError(f"--{key.replace('_', '-')} {cfg[key]!r} does not exist")
         cfg["servers"] = resolve_server_mode(cfg, print)
-        perf = load_profile(args.profile) if args.profile else None
+        pricing = load_profile(args.profile) if args.profile else None
     except (ValueError, FileNotFoundError) as exc:
         print(f"bench_serving: error: {exc}", file=sys.stderr)
         return 2
@@ -481,8 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         except (ServerError, RuntimeError) as exc:
             print(f"bench_serving: error: {exc}", file=sys.stderr)
             return 1
-    if perf is not None:
-        add_predictions(runs, cfg, perf)
+    if pricing is not None:
+        add_predictions(runs, cfg, pricing)
     print()
     print(format_table(runs))
     if args.plot:

@@ -27,17 +27,36 @@ the model's uniform-routing expectation N(tokens), as for every plain and narrow
 TPOT (``sglang.bench_serving``'s mean time per output token after the first) also holds the
 prefills of requests that start while a request decodes: the server runs them between its
 decode steps. Each of the ``prompts - c`` requests that start after the first wave stalls
-the ``c - 1`` others for one prefill of the mean prompt length (a target forward of that
-many tokens, all experts), spread over the ``prompts`` requests' ``output_len - 1``
-decode intervals.
+the ``c - 1`` others for one prefill of the mean prompt length, spread over the ``prompts``
+requests' ``output_len - 1`` decode intervals. The prefill is priced by the profile's
+measured prefill line where it has one (:mod:`sgl_ecospec.costmodel.prefill`), else by the
+model as a target forward of that many tokens on every expert (an extrapolation far past the
+calibration grid's tokens).
 """
 
+from typing import NamedTuple
+
 from sgl_ecospec.costmodel.performance import PerformanceModel
+from sgl_ecospec.costmodel.prefill import PrefillLine
 
 SPECULATIVE = ("eagle3", "ecospec-confidence", "ecospec")
 # Speculation on this draft accepts 1.7-1.9 tokens per step; a phase under 1.05 ran plainly
 # in all but its gate's probes.
 PLAIN_BELOW = 1.05
+
+
+class Pricing(NamedTuple):
+    """A calibration profile's fitted model and its prefill line (None: none was timed)."""
+
+    perf: PerformanceModel
+    prefill: PrefillLine | None = None
+
+    def prefill_seconds(self, prompt_tokens: float) -> float:
+        """One request's prefill of ``prompt_tokens`` (module docstring)."""
+        if self.prefill is not None:
+            return self.prefill.predict(max(1.0, prompt_tokens))
+        tokens = max(1, round(prompt_tokens))
+        return float(self.perf.verify_time(1, tokens, self.perf.model.num_experts))
 
 
 def speculative_share(record: dict) -> float:
@@ -81,7 +100,7 @@ def predicted_step_seconds(record: dict, cfg: dict, perf: PerformanceModel) -> f
     return mixed / sum(counts.values())
 
 
-def predicted_tpot_ms(record: dict, cfg: dict, perf: PerformanceModel) -> float | None:
+def predicted_tpot_ms(record: dict, cfg: dict, pricing: Pricing) -> float | None:
     """The phase's predicted mean TPOT in ms (module docstring); None without an acceptance
     length for a speculative phase or a prompt length."""
     if record["algorithm"] in SPECULATIVE and record.get("accept_length") is None:
@@ -92,18 +111,18 @@ def predicted_tpot_ms(record: dict, cfg: dict, perf: PerformanceModel) -> float 
     # Plain steps make one token each (a phase priced as plain: its probes' extra tokens too).
     accept = record["accept_length"] if speculative_share(record) > 0 else 1.0
     prompts, concurrency = cfg["num_prompts"], min(record["concurrency"], cfg["num_prompts"])
-    decode = predicted_step_seconds(record, cfg, perf) / max(accept, 1.0)
+    decode = predicted_step_seconds(record, cfg, pricing.perf) / max(accept, 1.0)
     stalls_per_request = (prompts - concurrency) * (concurrency - 1) / prompts
-    prefill = float(perf.verify_time(1, max(1, round(prompt_len)), perf.model.num_experts))
+    prefill = pricing.prefill_seconds(prompt_len)
     tpot = decode + stalls_per_request * prefill / max(1, cfg["output_len"] - 1)
     return 1000.0 * tpot
 
 
-def add_predictions(runs: list[dict], cfg: dict, perf: PerformanceModel) -> None:
+def add_predictions(runs: list[dict], cfg: dict, pricing: Pricing) -> None:
     """Sets each record's ``predicted_tpot_ms`` and ``tpot_error`` ((predicted - measured)
     / measured; None where either is missing)."""
     for record in runs:
-        predicted = predicted_tpot_ms(record, cfg, perf)
+        predicted = predicted_tpot_ms(record, cfg, pricing)
         measured = record.get("mean_tpot_ms")
         record["predicted_tpot_ms"] = predicted
         record["tpot_error"] = (
@@ -111,12 +130,13 @@ def add_predictions(runs: list[dict], cfg: dict, perf: PerformanceModel) -> None
         )
 
 
-def load_profile(path: str) -> PerformanceModel:
-    """The calibration profile's fitted model; ValueError (a message for the operator) on a
-    bad file."""
+def load_profile(path: str) -> Pricing:
+    """The calibration profile's :class:`Pricing`; ValueError (a message for the operator) on
+    a bad file."""
     from sgl_ecospec.costmodel.calibration import CalibrationFileError, CalibrationProfile
 
     try:
-        return CalibrationProfile.load(path).performance_model()
+        profile = CalibrationProfile.load(path)
     except CalibrationFileError as exc:
         raise ValueError(f"--profile: {exc}") from None
+    return Pricing(profile.performance_model(), profile.prefill)
