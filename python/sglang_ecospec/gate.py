@@ -124,7 +124,8 @@ STEP_KINDS = ("plain", "narrow", "tree")
 
 
 def step_kind(level: int, num_steps: int) -> str:
-    """ "plain" (0 draft steps), "tree" (the configured ``num_steps``) or "narrow" (one)."""
+    """The kind of a step of ``level`` draft steps: "plain" (0), "tree" (the configured
+    ``num_steps``) or "narrow" (one)."""
     return "plain" if level == PLAIN else "tree" if level == num_steps else "narrow"
 
 

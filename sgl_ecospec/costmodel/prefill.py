@@ -5,9 +5,10 @@ forwards of up to B x gamma tokens of the calibration grid (64 on the CPU grid).
 prefill is a forward of 100-1000 tokens: the model's compute term G, exponential up to its
 knee and then linear with the slope fitted on the grid, prices it by extrapolation, and on
 the bandwidth testbed it priced a 105-token prefill at 2.24 s where the forward took about
-1.5 s (docs/results/log.md, "The prefill line"). The serving benchmark's TPOT prediction
-holds the prefills that run between decode steps (:mod:`sgl_ecospec.lab.serving.predicted`),
-so ``sgl-ecospec calibrate`` times prefills of a few prompt lengths too and fits this line.
+1.5 s (docs/results/log.md, "Concurrency 1-8 at the new defaults"). The serving benchmark's
+TPOT prediction holds the prefills that run between decode steps
+(:mod:`sgl_ecospec.lab.serving.predicted`), so ``sgl-ecospec calibrate`` times prefills of a
+few prompt lengths too and fits this line.
 """
 
 import dataclasses
