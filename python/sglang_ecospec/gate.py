@@ -43,8 +43,7 @@ buckets at each decision, and a restarted server of the same key starts from the
 Logged: each bucket's first decision and every change of state, with its measurements.
 Exported (``--enable-metrics``): ``sglang:ecospec_gate_open`` and
 ``sglang:ecospec_gate_utility`` per bucket (label ``batch_sizes``), and the decode steps run
-at each level, ``sglang:ecospec_gate_{plain,narrow,tree}_steps_total`` (the steps before the
-first decode log tick are added then).
+at each level, ``sglang:ecospec_gate_{plain,narrow,tree}_steps_total``.
 """
 
 import collections
@@ -286,9 +285,10 @@ class GatePolicy:
             else:
                 self._uncounted[kind] += 1
 
-    def export(self, collector) -> None:
-        """Sets the gauges of every bucket seen (with ``--enable-metrics``, on SGLang's decode
-        log ticks); the series get ``collector``'s labels and metric class."""
+    def count_steps(self, collector) -> None:
+        """Creates the series (``collector``'s labels and metric classes) if needed and adds
+        the steps counted on the host so far (with ``--enable-metrics``, after every decode
+        step: a run shorter than SGLang's decode log interval is counted too)."""
         if self.metrics is None:
             self.metrics = GateMetrics(
                 collector.labels,
@@ -299,6 +299,11 @@ class GatePolicy:
             if count:
                 self.metrics.steps[kind].inc(count)
         self._uncounted = dict.fromkeys(STEP_KINDS, 0)
+
+    def export(self, collector) -> None:
+        """Sets the gauges of every bucket seen (with ``--enable-metrics``, on SGLang's decode
+        log ticks), after :meth:`count_steps`."""
+        self.count_steps(collector)
         for bucket in self.gate.buckets():
             self.metrics.record(bucket, self.gate.state(bucket))
 

@@ -314,9 +314,11 @@ def report_decode_stats_hook(original, reporter, *args, **kwargs):
         poll()
     gate = gate_slot.active()
     collector = getattr(reporter, "metrics_collector", None)
-    if gate is not None and is_report_tick(reporter) and collector is not None:
-        if reporter.current_scheduler_metrics_enabled:
+    if gate is not None and collector is not None and reporter.current_scheduler_metrics_enabled:
+        if is_report_tick(reporter):
             gate.export(collector)
+        else:  # the step counters after every step, the gauges on the ticks
+            gate.count_steps(collector)
     window = slot.active()
     if window is None or not is_report_tick(reporter):
         return original(reporter, *args, **kwargs)

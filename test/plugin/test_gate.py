@@ -144,9 +144,9 @@ def test_steps_are_counted_per_level():
         step(level)
     step(0)
     policy.step_finished(0, policy.step_started())  # an empty batch is no step
-    # Counted on the host until the first export, which creates the counters with them.
+    # Counted on the host until the first count (after any decode step), which adds them.
     policy.metrics = plugin_gate.GateMetrics({"model_name": "m"}, registry=registry)
-    policy.export(SimpleNamespace(labels={"model_name": "m"}))
+    policy.count_steps(SimpleNamespace(labels={"model_name": "m"}))
 
     def value(kind):
         return registry.get_sample_value(

@@ -255,3 +255,26 @@ def test_predict_timer_times_on_the_cpu_and_reads_cuda_events_without_waiting(mo
     assert timer.start() is None
     capturing.clear()
     assert timer.start() == pairs[0]  # the harvested pair is reused
+
+
+def test_report_hook_counts_the_gates_steps_after_every_step_and_sets_gauges_on_ticks():
+    calls = []
+
+    class Gate:
+        def count_steps(self, collector):
+            calls.append(("count", collector.labels))
+
+        def export(self, collector):
+            calls.append(("export", collector.labels))
+
+    metrics.gate_slot.activate(Gate())
+    try:
+        metrics.report_decode_stats_hook(lambda r: None, fake_reporter(tick=False))
+        metrics.report_decode_stats_hook(lambda r: None, fake_reporter(tick=True))
+        # Without --enable-metrics nothing is counted.
+        metrics.report_decode_stats_hook(
+            lambda r: None, fake_reporter(tick=False, metrics_enabled=False)
+        )
+    finally:
+        metrics.gate_slot.activate(None)
+    assert calls == [("count", LABELS), ("export", LABELS)]
