@@ -327,12 +327,18 @@ class UtilityGate:
         self._buckets: dict[int, _Bucket] = {}
         self._last_level: int | None = None  # of the last recorded step, any bucket
 
+    def _nearest_measured(self, key: int) -> _Bucket | None:
+        """The measured bucket a new bucket ``key`` starts from (module doc), or None."""
+        measured = [k for k, b in self._buckets.items() if b.measured()]
+        if not measured:
+            return None
+        return self._buckets[min(measured, key=lambda k: (abs(math.log2(k / key)), k))]
+
     def _bucket(self, batch_size: int) -> _Bucket:
         key = bucket_of(batch_size)
         if key not in self._buckets:
-            measured = [k for k, b in self._buckets.items() if b.measured()]
-            if measured:
-                nearest = self._buckets[min(measured, key=lambda k: (abs(math.log2(k / key)), k))]
+            nearest = self._nearest_measured(key)
+            if nearest is not None:
                 bucket = _Bucket(self.options, self.levels, nearest.level, True, key)
                 for level, tokens in bucket.tokens.items():
                     tokens.adopt(nearest.tokens[level])
@@ -358,11 +364,25 @@ class UtilityGate:
         """Whether the bucket of this batch size speculates outside probes."""
         return self.running_level(batch_size) != PLAIN
 
-    def closed_everywhere(self) -> bool:
-        """Whether every bucket seen so far has decided to decode plainly (False before the
-        first decision): then nothing needs a current draft state outside probes."""
-        buckets = self._buckets.values()
-        return bool(buckets) and all(b.settled and b.level == PLAIN for b in buckets)
+    def speculates_at(self, batch_size: int) -> bool:
+        """Whether steps of a batch of this size need a current draft state: its bucket
+        speculates outside probes or is still measuring (a fresh bucket measures its
+        speculative levels' acceptance). A bucket not seen yet is judged by the state it would
+        start from, without creating it: a prefill asks this of the batch it is about to join,
+        which may never decode at that size."""
+        bucket = self._buckets.get(bucket_of(batch_size))
+        if bucket is None:
+            bucket = self._nearest_measured(bucket_of(batch_size))
+            if bucket is None:
+                return True
+        return not bucket.settled or bucket.level != PLAIN
+
+    def has_own_figures(self, bucket: int) -> bool:
+        """Whether ``bucket`` (a key of :meth:`buckets`) has decided on figures it measured or
+        was seeded with, not only on the state it inherited from a neighbour: what a memory of
+        the gate may keep."""
+        b = self._buckets[bucket]
+        return b.settled and b.measured()
 
     def record(self, batch_size: int, level: int, seconds: float, tokens: float | None) -> None:
         """A measured step: its wall time and its tokens per request (speculative: accepted

@@ -168,18 +168,34 @@ def test_probes_of_a_losing_level_stay_within_the_budget():
     assert starts[1] - starts[0] == 30 + 3
 
 
-def test_closed_everywhere_once_every_bucket_seen_decodes_plainly():
+def test_speculates_at_follows_the_bucket_of_a_batch_size_without_creating_it():
     options = GateOptions(probe_interval=10, max_probe_interval=10, probe_steps=3, min_samples=2)
     gate = UtilityGate(options)
-    assert not gate.closed_everywhere()  # nothing seen
+    assert gate.speculates_at(16)  # nothing measured: a fresh bucket measures speculation
     drive(gate, 3, 1, spec_time=0.3, plain_time=0.1, tokens=1.2)
-    assert not gate.closed_everywhere()  # still measuring
+    assert gate.speculates_at(1)  # still measuring
     drive(gate, 20, 1, spec_time=0.3, plain_time=0.1, tokens=1.2)
-    assert gate.closed_everywhere()
-    drive(gate, 5, 2, spec_time=0.3, plain_time=0.1, tokens=1.2)  # inherits closed
-    assert gate.closed_everywhere()
+    assert not gate.speculates_at(1)
+    assert not gate.speculates_at(2) and gate.buckets() == [1]  # would inherit closed
     drive(gate, 200, 8, spec_time=0.12, plain_time=0.1, tokens=2.0)  # a fresh bucket: pays
-    assert gate.is_open(8) and not gate.closed_everywhere()
+    assert gate.is_open(8) and gate.speculates_at(8) and not gate.speculates_at(1)
+    # A new bucket starts from its nearest measured neighbour's state.
+    assert gate.speculates_at(16) and not gate.speculates_at(2)
+
+
+def test_only_buckets_decided_on_their_own_figures_count_as_own():
+    options = GateOptions(probe_interval=50, max_probe_interval=50, probe_steps=3, min_samples=2)
+    gate = UtilityGate(options)
+    drive(gate, 3, 16, spec_time=2.0, plain_time=1.1, tokens=1.6)
+    assert not gate.has_own_figures(16)  # still measuring
+    drive(gate, 10, 16, spec_time=2.0, plain_time=1.1, tokens=1.6)
+    assert gate.has_own_figures(16)
+    # Batch size 1 inherits 16's state and runs it; it measures one level's time at most.
+    drive(gate, 5, 1, spec_time=0.5, plain_time=0.3, tokens=1.6)
+    assert gate.state(1).settled and not gate.has_own_figures(1)
+    restarted = UtilityGate(options)
+    restarted.seed(16, gate.state(16))
+    assert restarted.has_own_figures(16)
 
 
 def test_a_fresh_bucket_without_measured_neighbours_measures_both_levels():
@@ -355,7 +371,7 @@ def test_a_seeded_bucket_starts_settled_at_its_level_and_neighbours_inherit_it()
     assert levels[:50] == [PLAIN] * 50 and SPECULATE in levels[50:]
     # A fresh bucket starts from the seeded one's level, as from a measured neighbour's.
     assert drive(restarted, 3, 8, spec_time=1.0, plain_time=0.6, tokens=1.6) == [PLAIN] * 3
-    assert restarted.closed_everywhere()
+    assert not restarted.speculates_at(16) and not restarted.speculates_at(8)
 
 
 def test_a_seeded_open_bucket_closes_on_its_own_figures():

@@ -21,10 +21,13 @@ sets SGLang's ``SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND`` (unless the operator s
 draft extend after the one-node verify is skipped too. Re-entering speculation, the requests
 draft from a draft state that misses the plainly decoded positions (lossless: verification
 decides), so a closed bucket's probes refresh only the speculative step's time, not its
-acceptance (:mod:`sgl_ecospec.gate`). For the same reason, while every bucket seen decodes
-plainly (:meth:`UtilityGate.closed_everywhere`), a prefill skips the draft model's pass over the
-prompt (:func:`skip_draft_prefill`): a new request's first token then costs what it costs the
-plain server.
+acceptance (:mod:`sgl_ecospec.gate`). For the same reason a prefill skips the draft model's
+pass over the prompt (:func:`skip_draft_prefill`) where the batch its requests join decodes
+plainly (:meth:`UtilityGate.speculates_at` of the last decode step's batch size plus the
+prefill's requests): a new request's first token then costs what it costs the plain server.
+Only that batch's bucket counts, not every bucket seen: a bucket of another size that
+speculates (batch size 1, say, from a warmup request or a restored memory) does not make a
+batch of 16 that decodes plainly pay the draft's prefill.
 
 Timing: each decode step's time is measured around the worker's ``forward_batch_generation``
 (on the CPU its wall time; on a GPU two CUDA events on the forward stream, read when the step's
@@ -233,6 +236,7 @@ class GatePolicy:
         # bounded, so steps whose results never come (none are known) cannot pile up.
         self._pending: collections.deque = collections.deque(maxlen=64)
         self._level = self.levels[-1]
+        self._batch_size = 0  # of the last decode step: what a prefill's requests join
         self._stale = False
         # Steps per kind not yet in the counters (all of them until the first export).
         self._uncounted = dict.fromkeys(STEP_KINDS, 0)
@@ -252,6 +256,7 @@ class GatePolicy:
     def get_steps_for_batch(self, batch_size: int) -> int:
         """Called by SGLang before each decode step: this step's level (draft steps)."""
         size = max(batch_size, 1)
+        self._batch_size = size
         level = self.gate.level(size)
         if self.group is not None:
             level = self._rank0_int(level)
@@ -307,19 +312,22 @@ class GatePolicy:
         for bucket in self.gate.buckets():
             self.metrics.record(bucket, self.gate.state(bucket))
 
-    def draft_prefill_needed(self) -> bool:
-        """Called before each prefill's draft pass: False while every bucket decodes plainly
-        (rank 0's answer on every rank: the draft's forward has collectives too)."""
-        needed = not self.gate.closed_everywhere()
+    def draft_prefill_needed(self, num_requests: int) -> bool:
+        """Called before the draft pass of a prefill of ``num_requests`` requests: False when
+        the batch they join (the last decode step's and theirs) decodes plainly (rank 0's
+        answer on every rank: the draft's forward has collectives too). The last decode
+        step's batch may have finished since, so this may judge a larger bucket than the next
+        step runs; it is lossless either way (module doc)."""
+        needed = self.gate.speculates_at(self._batch_size + max(num_requests, 1))
         if self.group is not None:
             needed = self._rank0_flag(needed)
         if needed != self._draft_prefill:
             self._draft_prefill = needed
             logger.info(
                 "EcoSpec gate: %s",
-                "a bucket speculates: prefills run the draft model again"
+                "the batch a prefill joins speculates: prefills run the draft model"
                 if needed
-                else "every batch-size bucket decodes plainly: prefills skip the draft model",
+                else "the batch a prefill joins decodes plainly: prefills skip the draft model",
             )
         return needed
 
@@ -353,7 +361,7 @@ def skip_draft_prefill(worker, policy: GatePolicy) -> None:
     draft_prefill = draft_worker._draft_extend_for_prefill
 
     def gated_draft_prefill(batch, target_hidden_states, next_token_ids, *args, **kwargs):
-        if policy.draft_prefill_needed():
+        if policy.draft_prefill_needed(next_token_ids.shape[0]):
             return draft_prefill(batch, target_hidden_states, next_token_ids, *args, **kwargs)
         bs, device = next_token_ids.shape[0], next_token_ids.device
         hidden_size, hidden_dtype = get_draft_recurrent_hidden_state_spec(draft_worker.draft_runner)

@@ -5,7 +5,7 @@ A fresh gate measures every level of each batch-size bucket before it decides (o
 testbed at batch size 16 two tree steps of about twice a plain step's time, in a window of
 about 30 decode steps), and a server that restarts (a deploy, an autoscaled replica, the
 serving benchmark's server per round) would pay that again each time. So rank 0 writes every
-settled bucket's level and figures at each decision (:meth:`GatePolicy._changed
+bucket's level and figures at each decision, once it has decided on figures of its own (:meth:`GatePolicy._changed
 <sglang_ecospec.gate.GatePolicy>`), and a starting server whose key matches seeds its gate
 with them (:meth:`sgl_ecospec.gate.UtilityGate.seed`): those buckets start settled, probe
 ``probe_interval`` steps later as any settled bucket does, and their figures blend into the
@@ -87,11 +87,15 @@ def memory_file(directory: Path, key: dict) -> Path:
 
 
 def save(gate: UtilityGate, path: Path, key: dict) -> None:
-    """Writes ``gate``'s settled buckets to ``path`` (atomically); a failure is a warning."""
+    """Writes ``gate``'s buckets that decided on figures of their own (measured, or restored)
+    to ``path`` (atomically); a failure is a warning. A bucket that only inherited a
+    neighbour's state is left out: restored, it would start settled on a decision nobody
+    measured at its batch sizes (a warmup request's batch of 1 saved as speculating, with no
+    plain step time, once kept a later server's prefills running the draft model)."""
     buckets = {}
     for bucket in gate.buckets():
-        state = gate.state(bucket)
-        if state.settled:
+        if gate.has_own_figures(bucket):
+            state = gate.state(bucket)
             buckets[str(bucket)] = {
                 "level": state.level,
                 "plain_time": _number(state.plain_time),

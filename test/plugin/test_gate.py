@@ -196,7 +196,7 @@ def fake_worker(hidden_size=16):
     return worker, calls
 
 
-def test_draft_prefill_is_skipped_while_every_bucket_decodes_plainly():
+def test_draft_prefill_is_skipped_where_the_batch_it_joins_decodes_plainly():
     worker, calls = fake_worker()
     policy = plugin_gate.install(worker, OPTIONS)
     prefill = worker.draft_worker._draft_extend_for_prefill
@@ -213,7 +213,12 @@ def test_draft_prefill_is_skipped_while_every_bucket_decodes_plainly():
     # A bucket where speculation pays needs current draft states again.
     run_steps(policy, 200, 8, spec_seconds=0.11, plain_seconds=0.1, accepted=1.5)
     assert policy.gate.is_open(8)
+    # 8 decoding + 3 joining: a fresh 9-16 bucket starts from 5-8's, which speculates.
     assert prefill("batch", "hidden", next_tokens) == "drafted" and len(calls) == 2
+    # Back at batch size 1, a request joining makes a batch of 2, nearest to closed 1.
+    run_steps(policy, 5, 1, spec_seconds=0.3, plain_seconds=0.1, accepted=0.2)
+    assert prefill("batch", "hidden", torch.tensor([4])).bonus_tokens.tolist() == [4]
+    assert len(calls) == 2 and policy.gate.buckets() == [1, 8]
 
 
 def test_install_sets_the_controller_and_skips_the_draft_extend(monkeypatch):
@@ -261,7 +266,7 @@ def _rank_main(rank, port, queue):
         # Rank 1 measures speculation as a loss, rank 0 as a gain: both follow rank 0.
         spec_seconds = 0.1 if rank == 0 else 0.5
         chosen = run_steps(policy, 60, 1, spec_seconds, 0.1, accepted=1.0)
-        queue.put((rank, (chosen, policy.draft_prefill_needed()), None))
+        queue.put((rank, (chosen, policy.draft_prefill_needed(1)), None))
         torch.distributed.destroy_process_group()
     except Exception:
         queue.put((rank, None, traceback.format_exc()))

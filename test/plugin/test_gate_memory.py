@@ -73,7 +73,28 @@ def test_a_restarted_server_starts_from_the_decisions_of_the_last(tmp_path, capl
     assert state.settled and state.utility == pytest.approx(first.gate.state(16).utility)
     # Nothing restored measured at batch size 1 either: it starts from its neighbour's level.
     assert serve(restarted, 3, 1) == [0, 0, 0]
-    assert restarted.draft_prefill_needed() is False
+    assert restarted.draft_prefill_needed(16) is False
+
+
+def test_a_bucket_that_only_inherited_its_state_is_not_remembered(tmp_path):
+    key = key_of(server_args(tmp_path), levels=(0, 1, 3))
+    memory = (gate_memory.memory_file(tmp_path / "gate", key), key)
+    first = plugin_gate.GatePolicy(3, OPTIONS, "cpu", narrow=True, memory=memory)
+    # The narrow level pays at 9-16 (1.5 tokens at 1.2x a plain step), the tree does not.
+    for _ in range(40):
+        level = first.get_steps_for_batch(16)
+        seconds, accepted = {0: (0.1, 0), 1: (0.12, 0.5), 3: (0.3, 0.5)}[level]
+        first._pending.append((16, first._level, seconds, first._stale))
+        first.on_verify_complete([accepted] * 16, 16)
+    assert first.gate.state(16).level == 1
+    # A warmup request at batch size 1 runs the inherited level, with no plain figure.
+    serve(first, 3, 1, spec_seconds=0.05)
+    first.gate.record(16, 1, 0.12, 1.5)  # a decision of 9-16 writes the memory again
+    first._changed(16, first.gate.state(16))
+    saved = json.loads(memory[0].read_text())["buckets"]
+    assert first.gate.state(1).open and list(saved) == ["16"]
+    restarted = plugin_gate.GatePolicy(3, OPTIONS, "cpu", narrow=True, memory=memory)
+    assert restarted.gate.buckets() == [16]
 
 
 def test_a_file_of_another_key_or_a_broken_one_is_ignored(tmp_path, caplog):
