@@ -4,13 +4,14 @@ made for the same model, draft, tree, settings and device (setting ``gate_memory
 A fresh gate measures every level of each batch-size bucket before it decides (on the CPU
 testbed at batch size 16 two tree steps of about twice a plain step's time, in a window of
 about 30 decode steps), and a server that restarts (a deploy, an autoscaled replica, the
-serving benchmark's server per round) would pay that again each time. So rank 0 writes every
-bucket's level and figures at each decision, once it has decided on figures of its own (:meth:`GatePolicy._changed
-<sglang_ecospec.gate.GatePolicy>`), and a starting server whose key matches seeds its gate
-with them (:meth:`sgl_ecospec.gate.UtilityGate.seed`): those buckets start settled, probe
-``probe_interval`` steps later as any settled bucket does, and their figures blend into the
-new measurements. A file that is missing, unreadable or of another key is ignored (a warning
-for the last two): the gate then measures, as without a memory.
+serving benchmark's server per round) would pay that again each time. So rank 0 writes, at
+each decision (:meth:`GatePolicy._changed <sglang_ecospec.gate.GatePolicy>`), the level and
+figures of every bucket that has decided on figures of its own, and a starting server whose
+key matches seeds its gate with them (:meth:`sgl_ecospec.gate.UtilityGate.seed`): those
+buckets start settled, probe ``probe_interval`` steps later as any settled bucket does, and
+their figures blend into the new measurements. A file that is missing, unreadable or of
+another key is ignored (a warning for the last two): the gate then measures, as without a
+memory.
 
 The key is everything the figures depend on: the target and draft checkpoints (paths and
 config digests), the tree (``--speculative-num-steps``, ``-eagle-topk``,

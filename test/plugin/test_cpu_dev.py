@@ -129,6 +129,53 @@ def test_verify_tree_greedy_walks_the_matching_path():
     assert accept.tolist() == [[0, -1, -1, -1]] and count.tolist() == [0]
 
 
+def _verify_tree_greedy_loop(accept_width, candidates, index, child, sibling, target):
+    """The op's contract as a plain loop over nodes: (predicts, accept_index, counts)."""
+    flat = target.flatten()
+    predicts = torch.full_like(flat, -7)
+    accept = torch.full((candidates.shape[0], accept_width), -1, dtype=torch.int64)
+    counts = []
+    for b in range(candidates.shape[0]):
+        node, path = 0, [int(index[b, 0])]
+        while len(path) < accept_width:
+            node = int(child[b, node])
+            while node != -1 and int(candidates[b, node]) != int(flat[path[-1]]):
+                node = int(sibling[b, node])
+            if node == -1:
+                break
+            path.append(int(index[b, node]))
+        for i, n in enumerate(path):
+            accept[b, i] = n
+            predicts[n] = flat[n]
+        counts.append(len(path) - 1)
+    return predicts, accept, torch.tensor(counts)
+
+
+def test_verify_tree_greedy_equals_the_loop_on_random_trees():
+    gen = torch.Generator().manual_seed(0)
+    for batch, nodes, width in [(1, 1, 1), (4, 1, 1), (3, 6, 4), (5, 8, 5), (0, 4, 3)]:
+        parents = [
+            [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, nodes)]
+            for _ in range(batch)
+        ]
+        child = torch.full((batch, nodes), -1, dtype=torch.int64)
+        sibling = torch.full((batch, nodes), -1, dtype=torch.int64)
+        for b, tree in enumerate(parents):
+            for i in reversed(range(1, nodes)):  # first child = the lowest index
+                sibling[b, i] = child[b, tree[i]]
+                child[b, tree[i]] = i
+        index = torch.arange(batch * nodes).view(batch, nodes)
+        candidates = torch.randint(0, 3, (batch, nodes), generator=gen)  # 3 tokens: matches
+        target = torch.randint(0, 3, (batch, nodes), generator=gen)
+        predicts = torch.full((batch * nodes,), -7, dtype=torch.int32)
+        accept = torch.full((batch, width), -1, dtype=torch.int32)
+        count = torch.zeros(batch, dtype=torch.int32)
+        ops.verify_tree_greedy(predicts, accept, count, candidates, index, child, sibling, target)
+        want = _verify_tree_greedy_loop(width, candidates, index, child, sibling, target)
+        assert predicts.tolist() == want[0].tolist()
+        assert accept.tolist() == want[1].tolist() and count.tolist() == want[2].tolist()
+
+
 def test_cache_location_ops():
     req_to_token = torch.arange(40, dtype=torch.int32).view(4, 10)
     rpi, start, end = torch.tensor([2, 0]), torch.tensor([1, 7]), torch.tensor([3, 10])
