@@ -277,7 +277,7 @@ def test_utility_gate_decodes_plainly_where_speculation_loses(
     assert_lossless(outputs, plain_outputs)
     assert "EcoSpec gate on" in text
     assert re.search(r"EcoSpec gate: batch sizes 1 decode plainly: .*utility 0\.\d\d", text)
-    assert "every batch-size bucket decodes plainly: prefills skip the draft model" in text
+    assert "the batch a prefill joins decodes plainly: prefills skip the draft model" in text
     # A fresh bucket measures the configured tree, the narrow level (one draft step, two
     # draft tokens) and plain decoding; probes re-enter speculation.
     assert "steps 3 -> 1, draft_tokens 6 -> 2" in text and "steps 1 -> 0" in text
