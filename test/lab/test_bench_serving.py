@@ -454,9 +454,10 @@ def test_predict_from_prices_an_earlier_run_and_refuses_a_bad_profile(tmp_path, 
     path.write_text(json.dumps(run))
     assert bench_serving.main(["--predict-from", str(path), "--profile", str(profile)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split()[-2:] == ["ms", "error"]
+    assert lines[0].endswith("the calibrated forward (no --server-step)")
+    assert lines[1].split()[-2:] == ["ms", "error"]
     # The fitted plain step at batch 1 (bias + k1 G(1) + k2 x 8 experts): 170.8 ms.
-    assert lines[1].split()[-2] == "170.8"
+    assert lines[2].split()[-2] == "170.8"
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     assert bench_serving.main(["--predict-from", str(path), "--profile", str(bad)]) == 2

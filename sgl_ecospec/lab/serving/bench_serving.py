@@ -41,7 +41,12 @@ from sgl_ecospec.lab.serving.local_server import (
     ecospec_log_summary,
     gpu_present,
 )
-from sgl_ecospec.lab.serving.predicted import add_predictions, load_profile
+from sgl_ecospec.lab.serving.predicted import (
+    add_predictions,
+    describe,
+    load_profile,
+    predict_from,
+)
 from sgl_ecospec.lab.serving.report import (
     add_speed_ratios,
     combine,
@@ -101,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--predict-from",
         metavar="JSON",
         help="with --profile: price the phases of an earlier run's --json file, start no server",
+    )
+    parser.add_argument(
+        "--server-step",
+        metavar="JSON",
+        help="with --profile: a plain server's run (--algorithms none --json FILE, other "
+        "prompts, this machine); what SGLang adds to the forward per step is priced from it",
     )
     parser.add_argument(
         "--algorithms",
@@ -437,27 +448,16 @@ def run(cfg: dict, work: Path, log=print) -> list[dict]:
     return runs
 
 
-def predict_from(json_path: str, profile: str) -> int:
-    """``--predict-from``: an earlier run's phases priced by ``profile``, the table printed."""
-    try:
-        pricing = load_profile(profile)
-        data = json.loads(Path(json_path).read_text())
-        cfg, runs = data["config"], data["runs"]
-    except (OSError, ValueError, KeyError) as exc:
-        print(f"bench_serving: error: {exc}", file=sys.stderr)
-        return 2
-    add_predictions(runs, cfg, pricing)
-    print(format_table(runs))
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.predict_from:
         if not args.profile:
             print("bench_serving: error: --predict-from needs --profile FILE", file=sys.stderr)
             return 2
-        return predict_from(args.predict_from, args.profile)
+        return predict_from(args.predict_from, args.profile, args.server_step)
+    if args.server_step and not args.profile:
+        print("bench_serving: error: --server-step needs --profile FILE", file=sys.stderr)
+        return 2
     # SIGTERM unwinds like Ctrl-C, so every started server is stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
             if cfg[key] is not None and not Path(cfg[key]).exists():
                 raise FileNotFoundError(f"--{key.replace('_', '-')} {cfg[key]!r} does not exist")
         cfg["servers"] = resolve_server_mode(cfg, print)
-        pricing = load_profile(args.profile) if args.profile else None
+        pricing = load_profile(args.profile, args.server_step) if args.profile else None
     except (ValueError, FileNotFoundError) as exc:
         print(f"bench_serving: error: {exc}", file=sys.stderr)
         return 2
@@ -481,9 +481,10 @@ def main(argv: list[str] | None = None) -> int:
         except (ServerError, RuntimeError) as exc:
             print(f"bench_serving: error: {exc}", file=sys.stderr)
             return 1
+    print()
     if pricing is not None:
         add_predictions(runs, cfg, pricing)
-    print()
+        print(describe(pricing))
     print(format_table(runs))
     if args.plot:
         name = Path(cfg["model_path"]).parent.name + "/" + Path(cfg["model_path"]).name

@@ -32,12 +32,20 @@ requests' ``output_len - 1`` decode intervals. The prefill is priced by the prof
 measured prefill line where it has one (:mod:`sgl_ecospec.costmodel.prefill`), else by the
 model as a target forward of that many tokens on every expert (an extrapolation far past the
 calibration grid's tokens).
+
+With a plain server's measured run (``--server-step``), every step also costs what SGLang adds
+to the forward at its batch size (:mod:`sgl_ecospec.lab.serving.server_step`).
 """
 
+import json
+import sys
+from pathlib import Path
 from typing import NamedTuple
 
 from sgl_ecospec.costmodel.performance import PerformanceModel
 from sgl_ecospec.costmodel.prefill import PrefillLine
+from sgl_ecospec.lab.serving.report import format_table
+from sgl_ecospec.lab.serving.server_step import ServerStep
 
 SPECULATIVE = ("eagle3", "ecospec-confidence", "ecospec")
 # Speculation on this draft accepts 1.7-1.9 tokens per step; a phase under 1.05 ran plainly
@@ -46,10 +54,12 @@ PLAIN_BELOW = 1.05
 
 
 class Pricing(NamedTuple):
-    """A calibration profile's fitted model and its prefill line (None: none was timed)."""
+    """A calibration profile's fitted model, its prefill line (None: none was timed) and what
+    the server adds to each step (None: not measured, the forward alone)."""
 
     perf: PerformanceModel
     prefill: PrefillLine | None = None
+    server_step: ServerStep | None = None
 
     def prefill_seconds(self, prompt_tokens: float) -> float:
         """One request's prefill of ``prompt_tokens`` (module docstring)."""
@@ -111,7 +121,10 @@ def predicted_tpot_ms(record: dict, cfg: dict, pricing: Pricing) -> float | None
     # Plain steps make one token each (a phase priced as plain: its probes' extra tokens too).
     accept = record["accept_length"] if speculative_share(record) > 0 else 1.0
     prompts, concurrency = cfg["num_prompts"], min(record["concurrency"], cfg["num_prompts"])
-    decode = predicted_step_seconds(record, cfg, pricing.perf) / max(accept, 1.0)
+    step = predicted_step_seconds(record, cfg, pricing.perf)
+    if pricing.server_step is not None:
+        step += pricing.server_step.at(concurrency)
+    decode = step / max(accept, 1.0)
     stalls_per_request = (prompts - concurrency) * (concurrency - 1) / prompts
     prefill = pricing.prefill_seconds(prompt_len)
     tpot = decode + stalls_per_request * prefill / max(1, cfg["output_len"] - 1)
@@ -130,13 +143,51 @@ def add_predictions(runs: list[dict], cfg: dict, pricing: Pricing) -> None:
         )
 
 
-def load_profile(path: str) -> Pricing:
-    """The calibration profile's :class:`Pricing`; ValueError (a message for the operator) on
-    a bad file."""
+def load_profile(path: str, server_step_run: str | None = None) -> Pricing:
+    """The calibration profile's :class:`Pricing`, with what the server adds to each step
+    measured from the plain server's run ``server_step_run`` (a ``bench_serving --json``
+    file) where given; ValueError (a message for the operator) on a bad file."""
     from sgl_ecospec.costmodel.calibration import CalibrationFileError, CalibrationProfile
 
     try:
         profile = CalibrationProfile.load(path)
     except CalibrationFileError as exc:
         raise ValueError(f"--profile: {exc}") from None
-    return Pricing(profile.performance_model(), profile.prefill)
+    pricing = Pricing(profile.performance_model(), profile.prefill)
+    if server_step_run is None:
+        return pricing
+    step = ServerStep.from_run(
+        server_step_run, lambda record, cfg: predicted_tpot_ms(record, cfg, pricing)
+    )
+    return pricing._replace(server_step=step)
+
+
+def predict_from(json_path: str, profile: str, server_step_run: str | None = None) -> int:
+    """``bench_serving --predict-from``: an earlier run's phases priced by ``profile`` (and
+    the plain server's run ``server_step_run``), the table printed; the exit status."""
+    try:
+        pricing = load_profile(profile, server_step_run)
+        data = json.loads(Path(json_path).read_text())
+        cfg, runs = data["config"], data["runs"]
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"bench_serving: error: {exc}", file=sys.stderr)
+        return 2
+    add_predictions(runs, cfg, pricing)
+    print(describe(pricing))
+    print(format_table(runs))
+    return 0
+
+
+def describe(pricing: Pricing) -> str:
+    """One line saying what the predicted column prices: the forward alone, or with what the
+    server adds per step (its figures per batch size)."""
+    if pricing.server_step is None:
+        return "[bench_serving] pred ms: the calibrated forward (no --server-step)"
+    figures = ", ".join(
+        f"B={b} {1000 * s:+.1f} ms"
+        for b, s in zip(pricing.server_step.batch_sizes, pricing.server_step.seconds)
+    )
+    return (
+        f"[bench_serving] pred ms: the calibrated forward plus the server's step measured in "
+        f"{pricing.server_step.source}: {figures}"
+    )
