@@ -185,7 +185,7 @@ def describe(pricing: Pricing) -> str:
         return "[bench_serving] pred ms: the calibrated forward (no --server-step)"
     figures = ", ".join(
         f"B={b} {1000 * s:+.1f} ms"
-        for b, s in zip(pricing.server_step.batch_sizes, pricing.server_step.seconds)
+        for b, s in zip(pricing.server_step.batch_sizes, pricing.server_step.seconds, strict=True)
     )
     return (
         f"[bench_serving] pred ms: the calibrated forward plus the server's step measured in "

@@ -74,7 +74,9 @@ class ServerStep:
             data = json.loads(Path(path).read_text())
             cfg, runs = data["config"], data["runs"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"--server-step {path}: not a bench_serving run ({exc}); {how}")
+            raise ValueError(
+                f"--server-step {path}: not a bench_serving run ({exc}); {how}"
+            ) from None
         per_batch: dict[int, list[float]] = {}
         for record in runs:
             if record.get("algorithm") != "none" or not record.get("mean_tpot_ms"):
