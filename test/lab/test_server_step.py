@@ -101,6 +101,7 @@ def test_every_priced_step_costs_the_servers_figure_at_its_batch_size():
         ("not json", "not a bench_serving run"),
         ('{"runs": []}', "not a bench_serving run"),
         ('{"config": {"num_prompts": 4}, "runs": []}', "no phase of the plain server"),
+        ('{"config": {}, "runs": [{"algorithm": "none", "mean_tpot_ms": 5}]}', "not a bench"),
     ],
 )
 def test_a_run_without_plain_phases_is_refused_with_how_to_write_one(tmp_path, content, message):

@@ -59,7 +59,8 @@ class ServerStep:
     ) -> "ServerStep":
         """The figures of the plain server's phases in the ``bench_serving --json`` file
         ``path``; ``forward_tpot_ms(record, config)`` is the forward's predicted TPOT of a
-        phase (ms). Rounds of one batch size are combined by their median.
+        phase (ms). Phases of one batch size (concurrencies at or above the prompts) are
+        combined by their median.
 
         Raises:
             ValueError: the file is unreadable or not a bench_serving run, or has no plain
@@ -70,23 +71,23 @@ class ServerStep:
             "write one with: bash scripts/bench_serving.sh --algorithms none "
             "--concurrency 1,2,4,8 --json RUN.json (other prompts, e.g. --seed 1, this machine)"
         )
+        per_batch: dict[int, list[float]] = {}
         try:
             data = json.loads(Path(path).read_text())
-            cfg, runs = data["config"], data["runs"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            cfg = data["config"]
+            for record in data["runs"]:
+                if record.get("algorithm") != "none" or not record.get("mean_tpot_ms"):
+                    continue
+                predicted = forward_tpot_ms(record, cfg)
+                if predicted is None:
+                    continue
+                batch = min(record["concurrency"], cfg["num_prompts"])
+                extra = (record["mean_tpot_ms"] - predicted) / 1000.0
+                per_batch.setdefault(batch, []).append(extra)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(
-                f"--server-step {path}: not a bench_serving run ({exc}); {how}"
+                f"--server-step {path}: not a bench_serving run ({exc!r}); {how}"
             ) from None
-        per_batch: dict[int, list[float]] = {}
-        for record in runs:
-            if record.get("algorithm") != "none" or not record.get("mean_tpot_ms"):
-                continue
-            predicted = forward_tpot_ms(record, cfg)
-            if predicted is None:
-                continue
-            batch = min(record["concurrency"], cfg["num_prompts"])
-            extra = (record["mean_tpot_ms"] - predicted) / 1000.0
-            per_batch.setdefault(batch, []).append(extra)
         if not per_batch:
             raise ValueError(
                 f"--server-step {path}: no phase of the plain server (algorithm none) with a "
