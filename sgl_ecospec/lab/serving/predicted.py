@@ -37,14 +37,12 @@ With a plain server's measured run (``--server-step``), every step also costs wh
 to the forward at its batch size (:mod:`sgl_ecospec.lab.serving.server_step`).
 """
 
-import json
 import sys
-from pathlib import Path
 from typing import NamedTuple
 
 from sgl_ecospec.costmodel.performance import PerformanceModel
 from sgl_ecospec.costmodel.prefill import PrefillLine
-from sgl_ecospec.lab.serving.report import format_table
+from sgl_ecospec.lab.serving.report import format_table, read_run
 from sgl_ecospec.lab.serving.server_step import ServerStep
 
 SPECULATIVE = ("eagle3", "ecospec-confidence", "ecospec")
@@ -167,9 +165,8 @@ def predict_from(json_path: str, profile: str, server_step_run: str | None = Non
     the plain server's run ``server_step_run``), the table printed; the exit status."""
     try:
         pricing = load_profile(profile, server_step_run)
-        data = json.loads(Path(json_path).read_text())
-        cfg, runs = data["config"], data["runs"]
-    except (OSError, ValueError, KeyError) as exc:
+        cfg, runs = read_run(json_path)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         print(f"bench_serving: error: {exc}", file=sys.stderr)
         return 2
     add_predictions(runs, cfg, pricing)

@@ -1,6 +1,7 @@
 """The serving benchmark's report: medians over rounds, the ratio to no speculation, outputs
 compared with the plain server's, the table and the throughput plot."""
 
+import json
 import statistics
 from pathlib import Path
 
@@ -32,6 +33,13 @@ MEDIAN_KEYS = (
     "predictor_recall",
     "spec_accept_length",
 )
+
+
+def read_run(path: str) -> tuple[dict, list[dict]]:
+    """(config, runs) of a ``bench_serving --json`` file; OSError, ValueError (not JSON),
+    KeyError or TypeError (not a run's layout) on a bad one."""
+    data = json.loads(Path(path).read_text())
+    return data["config"], data["runs"]
 
 
 def format_table(runs: list[dict]) -> str:

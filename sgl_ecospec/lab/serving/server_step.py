@@ -17,12 +17,12 @@ extend), so the plain step's figure added to it leaves out what SGLang adds arou
 """
 
 import dataclasses
-import json
 import statistics
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
+
+from sgl_ecospec.lab.serving.report import read_run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,9 +73,8 @@ class ServerStep:
         )
         per_batch: dict[int, list[float]] = {}
         try:
-            data = json.loads(Path(path).read_text())
-            cfg = data["config"]
-            for record in data["runs"]:
+            cfg, runs = read_run(path)
+            for record in runs:
                 if record.get("algorithm") != "none" or not record.get("mean_tpot_ms"):
                     continue
                 predicted = forward_tpot_ms(record, cfg)
