@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_ecospec.lab.serving import bench_serving, report, server_memory
+from sgl_ecospec.lab.serving import bench_serving, prompts, report, server_memory
 from sgl_ecospec.lab.serving.local_server import (
     accept_length_between,
     counter_fields,
@@ -167,7 +167,7 @@ def test_sharegpt_file_is_what_sglang_reads(tmp_path):
 
     path = tmp_path / "mt.json"
     tokenizer = load_smollm2_tokenizer()
-    bench_serving.write_sharegpt_file("mt-bench", 3, 0, path, tokenizer)
+    prompts.write_sharegpt_file("mt-bench", 3, 0, path, tokenizer)
     records = json.loads(path.read_text())
     assert len(records) == 3 and all(r["id"].startswith("mt-bench:") for r in records)
     rows = sample_sharegpt_requests(str(path), 3, tokenizer, fixed_output_len=16)
@@ -187,17 +187,17 @@ def test_warmup_prompt_shares_the_measured_prompts_template_head(tmp_path):
 
     path = tmp_path / "mt.json"
     tokenizer = load_smollm2_tokenizer()
-    bench_serving.write_sharegpt_file("mt-bench", 4, 0, path, tokenizer)
-    prompts = [
+    prompts.write_sharegpt_file("mt-bench", 4, 0, path, tokenizer)
+    measured = [
         tokenizer.encode(r["conversations"][0]["value"]) for r in json.loads(path.read_text())
     ]
-    warmup = tokenizer.encode(bench_serving.warmup_prompt(tokenizer))
+    warmup = tokenizer.encode(prompts.warmup_prompt(tokenizer))
     head = 0
-    while all(len(p) > head and p[head] == prompts[0][head] for p in prompts):
+    while all(len(p) > head and p[head] == measured[0][head] for p in measured):
         head += 1
     assert head >= 10  # the system turn and the user header
-    assert warmup[:head] == prompts[0][:head]
-    assert warmup != prompts[0][: len(warmup)]  # the head only, no measured prompt itself
+    assert warmup[:head] == measured[0][:head]
+    assert warmup != measured[0][: len(warmup)]  # the head only, no measured prompt itself
 
 
 def test_table_marks_missing_values():
@@ -463,3 +463,53 @@ def test_predict_from_prices_an_earlier_run_and_refuses_a_bad_profile(tmp_path, 
     assert bench_serving.main(["--predict-from", str(path), "--profile", str(bad)]) == 2
     assert "--profile" in capsys.readouterr().err
     assert bench_serving.main(["--predict-from", str(path)]) == 2
+
+
+def test_each_round_starts_one_algorithm_later(tmp_path, monkeypatch):
+    import contextlib
+
+    import transformers
+
+    order = []
+
+    @contextlib.contextmanager
+    def fake_server(cfg, work, algorithm, log_name, log=print):
+        order.append((log_name, algorithm))
+        yield algorithm
+
+    def fake_measure(cfg, server, algorithm, concurrency, dataset_file, out, warmup):
+        return {**_record(algorithm, concurrency, 10.0, 100.0), "generated_texts": ["ab"]}
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: None)
+    monkeypatch.setattr(bench_serving, "write_sharegpt_file", lambda *args: None)
+    monkeypatch.setattr(bench_serving, "warmup_prompt", lambda tokenizer: "hi")
+    monkeypatch.setattr(bench_serving, "started_server", fake_server)
+    monkeypatch.setattr(bench_serving, "measure", fake_measure)
+    cfg = {
+        "dataset": "mt-bench",
+        "num_prompts": 1,
+        "seed": 0,
+        "model_path": "m",
+        "algorithms": ["none", "eagle3", "ecospec"],
+        "concurrency": [1, 2],
+        "rounds": 4,
+        "servers": "one-at-a-time",
+        "ecospec_settings": {"gate_memory": str(tmp_path / "memory")},
+    }
+    runs = bench_serving.run(cfg, tmp_path, log=lambda line: None)
+    assert [name for name, _ in order] == [
+        f"server-{a}-r{r}.log"
+        for r, algorithms in enumerate(
+            (
+                ["none", "eagle3", "ecospec"],
+                ["eagle3", "ecospec", "none"],
+                ["ecospec", "none", "eagle3"],
+                ["none", "eagle3", "ecospec"],
+            ),
+            start=1,
+        )
+        for a in algorithms
+    ]
+    assert len(runs) == 6 and all(len(r["rounds"]) == 4 for r in runs)
+    assert {r["same_outputs"] for r in runs} == {"4/4"}
+    assert bench_serving.round_order(["none"], 3) == ["none"]

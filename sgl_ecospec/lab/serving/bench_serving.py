@@ -47,6 +47,7 @@ from sgl_ecospec.lab.serving.predicted import (
     load_profile,
     predict_from,
 )
+from sgl_ecospec.lab.serving.prompts import warmup_prompt, write_sharegpt_file
 from sgl_ecospec.lab.serving.report import (
     add_speed_ratios,
     combine,
@@ -59,10 +60,6 @@ from sgl_ecospec.ops.selection import SelectionOptions
 
 ALGORITHMS = ("none", "eagle3", "ecospec-confidence", "ecospec")
 GATE_MEMORY_ENV = "SGLANG_ECOSPEC_GATE_MEMORY"
-# The warmup's user message, chat-rendered like every measured prompt: the template's head is
-# in each server's prefix cache before the measured window, whatever the scheduler (overlap or
-# synchronous) plans before the first prompt's prefix is cached.
-WARMUP_MESSAGE = "Hello"
 DATASETS = ("mt-bench", "sharegpt")
 TESTBEDS = ("small", "full", "bandwidth")
 SERVER_MODES = ("auto", "together", "one-at-a-time")
@@ -278,27 +275,6 @@ def server_launch(cfg: dict, algorithm: str) -> tuple[list[str], dict]:
     return args, env
 
 
-def write_sharegpt_file(dataset: str, num_prompts: int, seed: int, path: Path, tokenizer) -> None:
-    """``num_prompts`` prompts of a packaged dataset as a ShareGPT-format JSON file (what
-    ``sglang.bench_serving --dataset-name sharegpt --dataset-path`` reads), each already
-    rendered with ``tokenizer``'s chat template (``render_chat_text``), so the server
-    tokenizes it into the very ids the offline engine decodes (``render_chat``)."""
-    from sgl_ecospec.lab.datasets import load_prompts, render_chat_text
-
-    prompts = load_prompts(dataset, num_prompts=num_prompts, seed=seed)
-    records = [
-        {
-            "id": p.source,
-            "conversations": [
-                {"from": "human", "value": render_chat_text(tokenizer, p.text)},
-                {"from": "gpt", "value": ""},
-            ],
-        }
-        for p in prompts
-    ]
-    path.write_text(json.dumps(records))
-
-
 def run_client(cfg: dict, server: LocalServer, dataset_file: Path, concurrency: int, out: Path):
     """One ``sglang.bench_serving`` run; returns its result record (the JSONL line)."""
     command = [
@@ -341,14 +317,6 @@ def run_client(cfg: dict, server: LocalServer, dataset_file: Path, concurrency: 
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
         raise RuntimeError(f"sglang.bench_serving failed ({done.returncode}):\n{tail}")
     return json.loads(out.read_text().strip().splitlines()[-1])
-
-
-def warmup_prompt(tokenizer) -> str:
-    """The warmup request's text: :data:`WARMUP_MESSAGE` chat-rendered as the dataset's
-    prompts are (:func:`write_sharegpt_file`), so it shares their template head."""
-    from sgl_ecospec.lab.datasets import render_chat_text
-
-    return render_chat_text(tokenizer, WARMUP_MESSAGE)
 
 
 def measure(
@@ -397,15 +365,23 @@ def started_server(cfg: dict, work: Path, algorithm: str, log_name: str, log=pri
         yield server
 
 
+def round_order(algorithms: list[str], round_: int) -> list[str]:
+    """The algorithms in the order round ``round_`` (from 1) measures them (:func:`run`)."""
+    shift = (round_ - 1) % len(algorithms)
+    return algorithms[shift:] + algorithms[:shift]
+
+
 def run(cfg: dict, work: Path, log=print) -> list[dict]:
     """Every algorithm at every concurrency, ``cfg["rounds"]`` times over; one record per
     (algorithm, concurrency) (:func:`combine`), its outputs compared with the plain server's.
 
-    Each round measures every algorithm in turn, so a drift of the machine's speed reaches
-    every algorithm alike. With ``cfg["servers"] == "together"`` all servers start first and
-    sleep while idle (``--sleep-on-idle``: an idle scheduler otherwise spins a core);
-    with "one-at-a-time" each algorithm's server starts for its turn of each round and stops
-    after it (models of which only one copy fits in memory)."""
+    Each round measures every algorithm in turn, and each round starts one algorithm later
+    than the last (round 2 of none, eagle3, ecospec runs eagle3, ecospec, none), so neither
+    a drift of the machine's speed nor a place in the round favours one algorithm.
+    With ``cfg["servers"] == "together"`` all servers start first and sleep while idle
+    (``--sleep-on-idle``: an idle scheduler otherwise spins a core); with "one-at-a-time"
+    each algorithm's server starts for its turn of each round and stops after it (models of
+    which only one copy fits in memory)."""
     dataset_file = work / f"{cfg['dataset']}.json"
     if "gate_memory" not in cfg["ecospec_settings"] and GATE_MEMORY_ENV not in os.environ:
         memory = work / "gate-memory"  # the run's own (module docstring)
@@ -424,7 +400,7 @@ def run(cfg: dict, work: Path, log=print) -> list[dict]:
                 server = started_server(cfg, work, algorithm, f"server-{algorithm}.log", log)
                 servers[algorithm] = servers_up.enter_context(server)
         for round_ in range(1, cfg["rounds"] + 1):
-            for algorithm in cfg["algorithms"]:
+            for algorithm in round_order(cfg["algorithms"], round_):
                 if algorithm in servers:
                     turn = contextlib.nullcontext(servers[algorithm])
                 else:
