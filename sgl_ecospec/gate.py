@@ -39,9 +39,11 @@ level for enough steps that ``min_samples`` requests' tokens are counted at the 
 smallest batch size, and at least two (:func:`fresh_steps`: 4 steps at batch size 1, 2 from
 batch size 2 on, where each step counts several requests), and decides. A later bucket
 starts at the level of the nearest bucket measured so far (utility changes slowly with the
-batch size) and is corrected by its own probes; without a measured neighbour it starts as the
-first did. A bucket seeded with an earlier server's state (:meth:`UtilityGate.seed`: a
-restarted server's memory) starts settled, as if it had measured that state's figures.
+batch size) and is corrected by its own probes, the first of each other level after its
+fresh steps (a phase of traffic may give a bucket fewer steps than ``probe_interval``);
+without a measured neighbour it starts as the first did. A bucket seeded with an earlier
+server's state (:meth:`UtilityGate.seed`: a restarted server's memory) starts settled, as if
+it had measured that state's figures.
 
 Acceptance is measured only where the draft state is current: while a bucket decodes plainly
 the server does not run the draft model, so the speculative steps of its probes draft from a
@@ -210,6 +212,14 @@ class _Bucket:
         self.interval = dict.fromkeys(self.levels, self.options.probe_interval)
         self.since_probe = dict.fromkeys(self.levels, 0)
 
+    def probe_soon(self) -> None:
+        """Every other level's first probe after ``needed`` steps, not ``probe_interval``: a
+        bucket that inherited a neighbour's level decides on its own step times only once it
+        probes, and a phase of traffic may give it fewer than ``probe_interval`` steps (log,
+        "Run T": 31-124 a phase at batch sizes 4-16, none probed)."""
+        for level in self.levels:
+            self.since_probe[level] = max(self.options.probe_interval - self.needed, 0)
+
     def utility(self, level: int) -> float:
         """``level``'s measured utility (plain decoding's is 1), NaN until measured."""
         if level == PLAIN:
@@ -342,6 +352,7 @@ class UtilityGate:
                 bucket = _Bucket(self.options, self.levels, nearest.level, True, key)
                 for level, tokens in bucket.tokens.items():
                     tokens.adopt(nearest.tokens[level])
+                bucket.probe_soon()
             else:
                 top = self.levels[-1]
                 if self.predicted is not None and not self.predicted(key) >= 1.0:

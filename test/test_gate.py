@@ -190,9 +190,12 @@ def test_only_buckets_decided_on_their_own_figures_count_as_own():
     assert not gate.has_own_figures(16)  # still measuring
     drive(gate, 10, 16, spec_time=2.0, plain_time=1.1, tokens=1.6)
     assert gate.has_own_figures(16)
-    # Batch size 1 inherits 16's state and runs it; it measures one level's time at most.
-    drive(gate, 5, 1, spec_time=0.5, plain_time=0.3, tokens=1.6)
+    # Batch size 1 inherits 16's state and runs it until its first probe (after 2 steps,
+    # fresh_steps at batch size 1): no figures of its own before it, its own after it.
+    drive(gate, 2, 1, spec_time=0.5, plain_time=0.3, tokens=1.6)
     assert gate.state(1).settled and not gate.has_own_figures(1)
+    drive(gate, 3, 1, spec_time=0.5, plain_time=0.3, tokens=1.6)
+    assert gate.has_own_figures(1)
     restarted = UtilityGate(options)
     restarted.seed(16, gate.state(16))
     assert restarted.has_own_figures(16)
@@ -369,8 +372,10 @@ def test_a_seeded_bucket_starts_settled_at_its_level_and_neighbours_inherit_it()
     # No start-up measurement: plain decoding until the first probe, probe_interval away.
     levels = drive(restarted, 60, 16, spec_time=2.0, plain_time=1.1, tokens=1.6)
     assert levels[:50] == [PLAIN] * 50 and SPECULATE in levels[50:]
-    # A fresh bucket starts from the seeded one's level, as from a measured neighbour's.
-    assert drive(restarted, 3, 8, spec_time=1.0, plain_time=0.6, tokens=1.6) == [PLAIN] * 3
+    # A fresh bucket starts from the seeded one's level, as from a measured neighbour's, and
+    # probes the other level after fresh_steps (2 at batch size 8), not probe_interval.
+    levels = drive(restarted, 5, 8, spec_time=1.0, plain_time=0.6, tokens=1.6)
+    assert levels == [PLAIN, PLAIN, SPECULATE, SPECULATE, SPECULATE]
     assert not restarted.speculates_at(16) and not restarted.speculates_at(8)
 
 
@@ -397,3 +402,17 @@ def test_seed_refuses_what_does_not_fit():
     two.seed(1, other.state(1))
     with pytest.raises(ValueError, match="seen already"):
         two.seed(1, other.state(1))
+
+
+def test_an_inherited_bucket_probes_within_its_first_steps_and_moves_on_its_own_figures():
+    """Log, "Run T": batch 2 measured plain decoding fastest, batch 16 inherited it and, with
+    fewer steps a phase than probe_interval, never measured that speculation pays there."""
+    options = GateOptions(probe_interval=128, probe_steps=3, min_samples=2)
+    gate = UtilityGate(options)
+    drive(gate, 20, 2, spec_time=0.5, plain_time=0.33, tokens=1.4)  # utility 0.92
+    assert not gate.speculates_at(2)
+    # At batch 16 a speculative step costs little more than a plain one (utility 1.3).
+    levels = drive(gate, 30, 16, spec_time=1.08, plain_time=1.0, tokens=1.4)
+    assert levels[:2] == [PLAIN, PLAIN] and levels[2:5] == [SPECULATE] * 3
+    assert gate.speculates_at(16) and gate.has_own_figures(16)
+    assert not gate.speculates_at(2)
