@@ -204,6 +204,8 @@ class _Bucket:
         self.settled = inherited
         self.probe_level = level
         self.probe_left = 0  # steps of the running probe still to go
+        # After a switch: the new level, until a step of it is recorded (UtilityGate.record).
+        self.awaiting: int | None = None
         self.restart_probes()
 
     def restart_probes(self) -> None:
@@ -400,20 +402,27 @@ class UtilityGate:
         drafts + 1, averaged over the batch; plain: 1; None: the step's time only, for a
         speculative probe of a plainly decoding bucket, whose draft state the plain steps
         left stale). The first step after a switch of level is dropped (module doc). Then
-        re-decides the bucket."""
+        re-decides the bucket, unless it switched and no step of its new level has been
+        recorded since: the steps recorded in between were chosen before the switch (SGLang's
+        overlap scheduler hands a step's results over after launching the next step), and
+        deciding on them reopened a level the moment it closed (log, "Run U": ten switches at
+        batch size 2)."""
         if level not in self.levels:
             raise ValueError(f"level must be one of the gate's {list(self.levels)}, got {level!r}")
         if not (math.isfinite(seconds) and seconds > 0):
             return
         switched = self._last_level is not None and self._last_level != level
         self._last_level = level
+        bucket = self._bucket(batch_size)
+        if level == bucket.awaiting:
+            bucket.awaiting = None
         if switched:
             return
-        bucket = self._bucket(batch_size)
         bucket.time[level].add(seconds)
         if level != PLAIN and tokens is not None:
             bucket.tokens[level].add(tokens)
-        self._decide(bucket_of(batch_size), bucket, level)
+        if bucket.awaiting is None:
+            self._decide(bucket_of(batch_size), bucket, level)
 
     def _decide(self, key: int, bucket: _Bucket, measured: int) -> None:
         """Re-decides ``bucket`` after a step of level ``measured``. A settled bucket moves to
@@ -440,6 +449,7 @@ class UtilityGate:
         if switch:
             bucket.level = best
             bucket.switches += 1
+            bucket.awaiting = best
             bucket.restart_probes()
         if (switch or settling) and self.on_change is not None:
             self.on_change(key, self.state(key))

@@ -416,3 +416,25 @@ def test_an_inherited_bucket_probes_within_its_first_steps_and_moves_on_its_own_
     assert levels[:2] == [PLAIN, PLAIN] and levels[2:5] == [SPECULATE] * 3
     assert gate.speculates_at(16) and gate.has_own_figures(16)
     assert not gate.speculates_at(2)
+
+
+def test_a_step_chosen_before_a_switch_does_not_undo_it():
+    """A server hands a step's results over after the next step has started (log, "Run U"):
+    the step after a close was chosen while the bucket was open, and its figures alone must
+    not reopen it."""
+    options = GateOptions(probe_interval=500, max_probe_interval=500, min_samples=2)
+    gate = UtilityGate(options)
+    levels, pending = [], None
+    for step in range(60):
+        level = gate.level(8)
+        levels.append(level)
+        if pending is not None:
+            gate.record(8, *pending)
+        # Utility 1.33 for 20 steps, then 0.8; a speculative step recorded once the bucket
+        # is closed yields 3 tokens (utility 2): a lagged step's noise that reopened it.
+        tokens = 2.0 if step < 20 else (1.2 if gate.is_open(8) else 3.0)
+        pending = (level, 0.15, tokens) if level == SPECULATE else (level, 0.1, 1.0)
+    state = gate.state(8)
+    assert not state.open and state.switches == 1
+    closed_at = levels.index(PLAIN, 20)
+    assert levels[closed_at:] == [PLAIN] * (60 - closed_at)
