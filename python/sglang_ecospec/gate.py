@@ -60,6 +60,7 @@ from sgl_ecospec.gate import (
     PLAIN,
     BucketState,
     GateOptions,
+    LevelFigures,
     UtilityGate,
     bucket_label,
 )
@@ -180,14 +181,27 @@ class GateMetrics:
 def describe(bucket: int, state: BucketState) -> str:
     """One log line's account of a bucket's decision."""
     decision = f"speculate ({_steps(state.level)})" if state.open else "decode plainly"
-    levels = ", ".join(
-        f"{_steps(f.steps)} {f.tokens:.2f} tokens/request/step at {f.time * 1e3:.1f} ms "
-        f"(utility {f.utility:.2f})"
-        for f in state.speculative
-    )
+    levels = ", ".join(_figures(f) for f in state.speculative)
     return (
         f"EcoSpec gate: batch sizes {bucket_label(bucket)} {decision}: speculation "
         f"{levels}; plain decoding {state.plain_time * 1e3:.1f} ms/step"
+    )
+
+
+def _figures(f: LevelFigures) -> str:
+    """A level's figures; what is not yet measured in the bucket is said, not printed as NaN
+    (a bucket that inherited a neighbour's tokens per step has not timed their step; log,
+    "Run V")."""
+    name = _steps(f.steps)
+    if f.time != f.time:
+        if f.tokens != f.tokens:
+            return f"{name} not yet measured here"
+        return f"{name} {f.tokens:.2f} tokens/request/step, not yet timed here"
+    if f.utility != f.utility:
+        return f"{name} at {f.time * 1e3:.1f} ms, utility not yet measured"
+    return (
+        f"{name} {f.tokens:.2f} tokens/request/step at {f.time * 1e3:.1f} ms "
+        f"(utility {f.utility:.2f})"
     )
 
 

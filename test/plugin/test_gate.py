@@ -16,6 +16,7 @@ from sglang_ecospec import gate as plugin_gate
 from sglang_ecospec.settings import EcoSpecSettings, EcoSpecSettingsError
 
 from sgl_ecospec.gate import GateOptions
+from sgl_ecospec.gate_state import BucketState, LevelFigures
 
 OPTIONS = GateOptions(probe_interval=30, max_probe_interval=30, probe_steps=3, min_samples=3)
 
@@ -87,6 +88,29 @@ def test_policy_runs_the_narrow_level_where_only_it_pays(caplog):
     assert chosen[-60:].count(1) >= 44  # the other two probed every 30 steps
     assert "batch sizes 9-16 speculate (1 draft step)" in caplog.text
     assert "3 draft steps 1.80 tokens/request/step at 300.0 ms (utility 0.60)" in caplog.text
+
+
+def test_the_log_says_what_a_bucket_has_not_measured():
+    nan = float("nan")
+    state = BucketState(
+        level=3,
+        plain_time=0.4128,
+        speculative=(
+            LevelFigures(1, nan, 1.39, nan),  # tokens inherited, step not timed
+            LevelFigures(2, 0.5, nan, nan),  # timed by a probe, acceptance not measured
+            LevelFigures(3, 0.652, 1.61, 1.02),
+        ),
+    )
+    line = plugin_gate.describe(2, state)
+    assert "nan" not in line
+    assert (
+        "batch sizes 2 speculate (3 draft steps): speculation 1 draft step 1.39 "
+        "tokens/request/step, not yet timed here, 2 draft steps at 500.0 ms, utility not yet "
+        "measured, 3 draft steps 1.61 tokens/request/step at 652.0 ms (utility 1.02); plain "
+        "decoding 412.8 ms/step"
+    ) in line
+    blank = BucketState(level=0, plain_time=0.4, speculative=(LevelFigures(1, nan, nan, nan),))
+    assert "1 draft step not yet measured here;" in plugin_gate.describe(1, blank)
 
 
 def test_policy_keeps_speculating_where_it_pays():
