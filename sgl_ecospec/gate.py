@@ -204,8 +204,8 @@ class _Bucket:
         self.settled = inherited
         self.probe_level = level
         self.probe_left = 0  # steps of the running probe still to go
-        # After a switch: the new level, until a step of it is recorded (UtilityGate.record).
-        self.awaiting: int | None = None
+        # Switched, and no step of the new level recorded yet (UtilityGate.record).
+        self.awaiting = False
         self.restart_probes()
 
     def restart_probes(self) -> None:
@@ -414,14 +414,14 @@ class UtilityGate:
         switched = self._last_level is not None and self._last_level != level
         self._last_level = level
         bucket = self._bucket(batch_size)
-        if level == bucket.awaiting:
-            bucket.awaiting = None
+        if level == bucket.level:
+            bucket.awaiting = False
         if switched:
             return
         bucket.time[level].add(seconds)
         if level != PLAIN and tokens is not None:
             bucket.tokens[level].add(tokens)
-        if bucket.awaiting is None:
+        if not bucket.awaiting:
             self._decide(bucket_of(batch_size), bucket, level)
 
     def _decide(self, key: int, bucket: _Bucket, measured: int) -> None:
@@ -449,7 +449,7 @@ class UtilityGate:
         if switch:
             bucket.level = best
             bucket.switches += 1
-            bucket.awaiting = best
+            bucket.awaiting = True
             bucket.restart_probes()
         if (switch or settling) and self.on_change is not None:
             self.on_change(key, self.state(key))
